@@ -1,0 +1,130 @@
+//! Extractors whose failures are `ApiError`s, so that a bad query string,
+//! path or body gets a problem+json answer that says what to fix.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::{header, request::Parts, StatusCode};
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::domain::Tenant;
+use crate::error::ApiError;
+
+/// `axum::extract::Query` with a 400 problem as its rejection.
+pub struct Query<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for Query<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::from_request_parts(parts, state)
+            .await
+            .map(|q| Self(q.0))
+            .map_err(|rejection| ApiError::BadRequest(rejection.body_text()))
+    }
+}
+
+/// `axum::extract::Path` with a 400 problem as its rejection.
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for Path<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|p| Self(p.0))
+            .map_err(|rejection| ApiError::BadRequest(rejection.body_text()))
+    }
+}
+
+/// The tenant the request acts for. Until access control puts one in the
+/// request's extensions, everything runs as the default tenant.
+impl<S: Send + Sync> FromRequestParts<S> for Tenant {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        Ok(parts
+            .extensions
+            .get::<Tenant>()
+            .cloned()
+            .unwrap_or_else(Tenant::default_tenant))
+    }
+}
+
+/// A JSON request body, parsed without loss: 415 unless the content type is
+/// JSON, 413 over the body limit, 400 when it is not valid JSON.
+pub struct JsonBody(pub Value);
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        if !has_json_content_type(req.headers()) {
+            return Err(ApiError::UnsupportedMediaType(
+                "send the body as JSON with `Content-Type: application/json`".into(),
+            ));
+        }
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| {
+            if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::PayloadTooLarge(
+                    "the body is larger than this server accepts (max_body_bytes); send fewer messages per request".into(),
+                )
+            } else {
+                ApiError::BadRequest(rejection.body_text())
+            }
+        })?;
+        serde_json::from_slice(&bytes).map(Self).map_err(|e| {
+            let hint = if e.to_string().contains("escape") {
+                " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair)"
+            } else {
+                ""
+            };
+            ApiError::BadRequest(format!("the body is not valid JSON: {e}{hint}"))
+        })
+    }
+}
+
+/// `application/json`, or any `application/…+json`, parameters ignored.
+fn has_json_content_type(headers: &axum::http::HeaderMap) -> bool {
+    let Some(value) = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = value
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    match essence.split_once('/') {
+        Some(("application", subtype)) => subtype == "json" || subtype.ends_with("+json"),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::has_json_content_type;
+    use axum::http::{header, HeaderMap, HeaderValue};
+
+    fn with(content_type: &'static str) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+        headers
+    }
+
+    #[test]
+    fn json_content_types() {
+        assert!(has_json_content_type(&with("application/json")));
+        assert!(has_json_content_type(&with(
+            "Application/JSON; charset=utf-8"
+        )));
+        assert!(has_json_content_type(&with("application/merge-patch+json")));
+        assert!(!has_json_content_type(&with("text/plain")));
+        assert!(!has_json_content_type(&with("application/jsonx")));
+        assert!(!has_json_content_type(&HeaderMap::new()));
+    }
+}

@@ -1,0 +1,150 @@
+//! The HTTP surface. Each resource module owns its handlers; `router` merges
+//! them into one axum `Router` and derives the OpenAPI document from the same
+//! handler annotations, so the contract cannot drift from the code.
+
+mod extract;
+mod messages;
+mod ops;
+pub mod schema;
+mod users;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::Router;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::domain::UserId;
+use crate::error::{ApiError, Problem, PROBLEM_JSON};
+use crate::store::Store;
+use crate::telemetry;
+
+/// What every handler may use: the store and the limits from configuration.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub limits: Limits,
+}
+
+/// The request-shaping settings of the service.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Most messages one append may carry.
+    pub max_batch: usize,
+    /// Oldest messages are evicted past this many per user.
+    pub max_messages_per_user: Option<u64>,
+    /// The age window of a history read that names no `max_age`.
+    pub default_window: Option<Duration>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_batch: 1000,
+            max_messages_per_user: None,
+            default_window: Some(Duration::from_secs(24 * 60 * 60)),
+            max_body_bytes: 8 * 1024 * 1024,
+        }
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "chat-history",
+        description = "Conversation history for bots and LLM agents: append messages per user, \
+read back the recent window for the next model call, count, clear, replace a whole transcript, \
+purge what has expired. Every error is an RFC 9457 `application/problem+json` document.",
+        license(name = "MIT", identifier = "MIT")
+    ),
+    tags(
+        (name = "messages", description = "Append to and read one user's history."),
+        (name = "users", description = "Who has history, how much, and clearing it."),
+        (name = "operations", description = "Liveness, readiness and this document.")
+    ),
+    components(schemas(Problem))
+)]
+struct ApiDoc;
+
+fn api_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(messages::append_messages, messages::get_history))
+        .routes(routes!(messages::get_message, messages::delete_message))
+        .routes(routes!(users::list_users))
+        .routes(routes!(
+            users::user_stats,
+            users::user_exists,
+            users::clear_user
+        ))
+        .routes(routes!(ops::healthz))
+        .routes(routes!(ops::readyz))
+        .routes(routes!(ops::openapi_document))
+}
+
+/// The OpenAPI document, as `chat-history openapi` prints it and
+/// `/openapi.json` serves it.
+pub fn openapi_json() -> String {
+    let (_, doc) = api_routes().split_for_parts();
+    doc.to_pretty_json()
+        .expect("the OpenAPI document serialises")
+        + "\n"
+}
+
+/// The whole service as one axum `Router`: the seam tests drive.
+pub fn router(state: AppState) -> Router {
+    let (routes, _) = api_routes().split_for_parts();
+    let routes = telemetry::trace_requests(
+        routes
+            .layer(DefaultBodyLimit::max(state.limits.max_body_bytes))
+            .with_state(state),
+    );
+    // Wrapped from outside so that it sees responses axum finishes last,
+    // such as a 405 with its `Allow` header.
+    Router::new()
+        .fallback_service(routes)
+        .layer(middleware::from_fn(problem_for_bare_errors))
+}
+
+/// Gives a problem+json body to error responses that axum or a layer made
+/// bare (unknown route, wrong method, …), keeping their headers (`Allow`).
+async fn problem_for_bare_errors(request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(PROBLEM_JSON.as_bytes()));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return response;
+    }
+    let detail = match status {
+        StatusCode::NOT_FOUND => {
+            format!("nothing lives at {path}; the API is under /v1 and described at /openapi.json")
+        }
+        StatusCode::METHOD_NOT_ALLOWED => {
+            let allowed = response
+                .headers()
+                .get(header::ALLOW)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default();
+            format!("{method} is not allowed on {path}; allowed: {allowed}")
+        }
+        other => other.canonical_reason().unwrap_or("error").to_string(),
+    };
+    Problem::new(status, detail).into_response_with(response)
+}
+
+/// A `user_id` from the path, or a 400 that says what is wrong with it.
+fn user_id(raw: String) -> Result<UserId, ApiError> {
+    UserId::parse(raw).map_err(|e| ApiError::invalid_parameter("user_id", e))
+}

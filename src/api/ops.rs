@@ -1,0 +1,76 @@
+//! Operational endpoints outside `/v1`: liveness, readiness and the
+//! OpenAPI document.
+
+use std::sync::OnceLock;
+
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use super::schema::StatusResponse;
+use super::AppState;
+use crate::error::{error_chain, Problem};
+
+/// The process is up and serving HTTP; says nothing about the database.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    operation_id = "healthz",
+    tag = "operations",
+    responses((status = 200, description = "The process is alive", body = StatusResponse))
+)]
+pub async fn healthz() -> Json<StatusResponse> {
+    Json(StatusResponse { status: "ok" })
+}
+
+/// The database answers and every migration of this build is applied.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    operation_id = "readyz",
+    tag = "operations",
+    responses(
+        (status = 200, description = "Ready to serve", body = StatusResponse),
+        (status = 503, description = "Database unreachable or migrations missing", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn readyz(State(state): State<AppState>) -> Response {
+    match state.store.ready().await {
+        Ok(()) => Json(StatusResponse { status: "ready" }).into_response(),
+        Err(error) => {
+            tracing::warn!(error = %error_chain(&error), "not ready");
+            let mut response = Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("not ready: {error}"),
+            )
+            .into_response();
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+        }
+    }
+}
+
+/// This document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    operation_id = "getOpenApi",
+    tag = "operations",
+    responses((status = 200, description = "The OpenAPI 3.1 document of this service", content_type = "application/json"))
+)]
+pub async fn openapi_document() -> Response {
+    static DOCUMENT: OnceLock<String> = OnceLock::new();
+    let document = DOCUMENT.get_or_init(super::openapi_json);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        document.as_str(),
+    )
+        .into_response()
+}

@@ -1,0 +1,141 @@
+//! Request and response bodies as the OpenAPI document describes them.
+//! `Message` is any JSON object with a string `role`; the server never looks
+//! inside it beyond that, and returns it as it was written.
+
+use serde::Serialize;
+use utoipa::openapi::schema::{AdditionalProperties, ObjectBuilder, Schema, Type};
+use utoipa::openapi::RefOr;
+use utoipa::{PartialSchema, ToSchema};
+
+use crate::domain::{StoredMessage, Timestamp, UserId};
+
+/// A chat message: a JSON object with a non-empty string `role`. Every other
+/// field (`content`, `name`, `tool_calls`, `tool_call_id`, `metadata`, …) is
+/// kept and returned unchanged.
+pub enum Message {}
+
+impl PartialSchema for Message {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .description(Some(
+                "A chat message: any JSON object with a non-empty string `role`. \
+                 Every other field is stored and returned unchanged.",
+            ))
+            .property(
+                "role",
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .min_length(Some(1))
+                    .description(Some(
+                        "`user`, `assistant`, `system`, `tool`, or any other role",
+                    )),
+            )
+            .required("role")
+            .additional_properties(Some(AdditionalProperties::FreeForm(true)))
+            .examples([
+                serde_json::json!({"role": "user", "content": "What is the weather in Paris?"}),
+            ])
+            .into()
+    }
+}
+
+impl ToSchema for Message {}
+
+/// A message as stored: the caller's message verbatim, with `seq` and
+/// `created_at` beside it.
+#[derive(ToSchema)]
+#[schema(as = StoredMessage)]
+pub struct StoredMessageSchema {
+    /// Per user, strictly increasing in commit order, never reused; starts at 1.
+    #[schema(minimum = 1, example = 42)]
+    pub seq: i64,
+    /// Server time, UTC, RFC 3339 with exactly six fractional digits.
+    #[schema(value_type = String, format = DateTime, example = "2026-11-30T19:00:00.123456Z")]
+    pub created_at: String,
+    pub message: Message,
+}
+
+/// `{"messages": [...]}`: the body of an append.
+#[derive(ToSchema)]
+pub struct MessageBatch {
+    /// One or more messages, stored in this order.
+    #[schema(min_items = 1)]
+    pub messages: Vec<Message>,
+}
+
+/// What an append stored.
+#[derive(Serialize, ToSchema)]
+pub struct AppendResponse {
+    #[schema(value_type = String, example = "+15551234567")]
+    pub user_id: UserId,
+    /// Every message the request appended, in order.
+    #[schema(value_type = Vec<StoredMessageSchema>)]
+    pub messages: Vec<StoredMessage>,
+    /// The user's version after this write.
+    pub version: i64,
+}
+
+/// A page of history, oldest first.
+#[derive(Serialize, ToSchema)]
+pub struct HistoryResponse {
+    #[schema(value_type = String, example = "+15551234567")]
+    pub user_id: UserId,
+    #[schema(value_type = Vec<StoredMessageSchema>)]
+    pub messages: Vec<StoredMessage>,
+    /// More messages passing the same filters lie beyond this page, in its
+    /// direction: older ones without `after`, newer ones with it.
+    pub has_more: bool,
+}
+
+/// How many messages a delete removed.
+#[derive(Serialize, ToSchema)]
+pub struct DeletedResponse {
+    #[schema(example = 12)]
+    pub deleted: u64,
+}
+
+/// One user's history at a glance.
+#[derive(Serialize, ToSchema)]
+pub struct UserStatsResponse {
+    #[schema(value_type = String, example = "+15551234567")]
+    pub user_id: UserId,
+    #[schema(example = 12)]
+    pub message_count: i64,
+    #[schema(example = 31)]
+    pub first_seq: i64,
+    #[schema(example = 42)]
+    pub last_seq: i64,
+    #[schema(value_type = String, format = DateTime, example = "2026-11-30T18:00:00.000000Z")]
+    pub oldest_at: Timestamp,
+    #[schema(value_type = String, format = DateTime, example = "2026-11-30T19:00:00.123456Z")]
+    pub newest_at: Timestamp,
+    /// Changes on every write to this user; never repeats.
+    #[schema(example = 17)]
+    pub version: i64,
+}
+
+/// A user that has messages.
+#[derive(Serialize, ToSchema)]
+pub struct UserSummaryResponse {
+    #[schema(value_type = String, example = "+15551234567")]
+    pub user_id: UserId,
+    #[schema(example = 12)]
+    pub message_count: i64,
+    #[schema(value_type = String, format = DateTime, example = "2026-11-30T19:00:00.123456Z")]
+    pub newest_at: Timestamp,
+}
+
+/// A page of users, ordered by the bytes of `user_id`.
+#[derive(Serialize, ToSchema)]
+pub struct UserListResponse {
+    pub users: Vec<UserSummaryResponse>,
+    /// More users follow; ask again with `after` set to the last `user_id`.
+    pub has_more: bool,
+}
+
+/// The answer of `/healthz` and `/readyz`.
+#[derive(Serialize, ToSchema)]
+pub struct StatusResponse {
+    #[schema(example = "ok")]
+    pub status: &'static str,
+}

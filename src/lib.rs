@@ -1,0 +1,15 @@
+//! chat-history: a conversation-history service for bots and LLM agents.
+//!
+//! Read it top down: `domain` holds the product's nouns, `store` keeps them
+//! in Postgres or SQLite behind one trait, `api` serves them over HTTP with
+//! `error` shaping every failure as problem+json, and `server` runs it all.
+
+pub mod api;
+pub mod config;
+pub mod domain;
+pub mod error;
+pub mod server;
+pub mod store;
+pub mod telemetry;
+
+pub use api::{openapi_json, router, AppState, Limits};

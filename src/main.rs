@@ -1,0 +1,44 @@
+//! The `chat-history` binary: parse the configuration, start logging, run
+//! the chosen subcommand.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use chat_history::config::{check_environment, Cli, Command};
+use chat_history::{openapi_json, server, telemetry};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(message) = check_environment(std::env::vars()) {
+        eprintln!("error: {message}");
+        return ExitCode::from(2);
+    }
+    let command = cli.command.unwrap_or(Command::Serve);
+    if command == Command::Openapi {
+        print!("{}", openapi_json());
+        return ExitCode::SUCCESS;
+    }
+    telemetry::init(cli.config.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match command {
+            Command::Migrate => server::migrate(cli.config).await,
+            _ => server::serve(cli.config).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! Running the service: connect, migrate, bind, serve until a shutdown
+//! signal, then drain in-flight requests and close the database pools.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::api::{router, AppState};
+use crate::config::Config;
+use crate::store::{self, redact_url, Store};
+
+pub type StartError = Box<dyn std::error::Error + Send + Sync>;
+
+/// `chat-history serve`: the whole life of the service.
+pub async fn serve(config: Config) -> Result<(), StartError> {
+    let store = connect_and_migrate(&config).await?;
+    let listener = TcpListener::bind(config.bind)
+        .await
+        .map_err(|e| format!("cannot listen on {} (CHAT_HISTORY_BIND): {e}", config.bind))?;
+    tracing::warn!(
+        "no API keys are configured: anyone who can reach {} can read and change every history",
+        config.bind
+    );
+    tracing::info!(
+        address = %listener.local_addr()?,
+        database = %redact_url(&config.database_url),
+        "chat-history is listening"
+    );
+    let state = AppState {
+        store: store.clone(),
+        limits: config.limits(),
+    };
+    launch(listener, state, shutdown_signal()).await?;
+    store.close().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// `chat-history migrate`.
+pub async fn migrate(config: Config) -> Result<(), StartError> {
+    let store = connect_and_migrate(&config).await?;
+    store.close().await;
+    tracing::info!("migrations applied");
+    Ok(())
+}
+
+async fn connect_and_migrate(config: &Config) -> Result<Arc<dyn Store>, StartError> {
+    let store = store::connect(&config.database_url, config.connect_options())
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot open DATABASE_URL {}: {}",
+                redact_url(&config.database_url),
+                crate::error::error_chain(&e)
+            )
+        })?;
+    store.migrate().await.map_err(|e| {
+        format!(
+            "cannot migrate DATABASE_URL {}: {}",
+            redact_url(&config.database_url),
+            crate::error::error_chain(&e)
+        )
+    })?;
+    Ok(store)
+}
+
+/// Serves `state` on `listener` until `shutdown` completes, then lets
+/// in-flight requests finish. Tests bind port 0 and call this.
+pub async fn launch(
+    listener: TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!("cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(e) => {
+                tracing::error!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+}

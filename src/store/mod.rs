@@ -1,0 +1,249 @@
+//! The storage seam: one `Store` trait, one implementation per backend, and
+//! `connect` which picks the backend once from the `DATABASE_URL` scheme.
+//!
+//! Invariants every implementation keeps, whatever the backend:
+//! - a user's row in `chat_users` is locked (or, on SQLite, the single writer
+//!   held) before any of that user's messages are touched, so `seq` is
+//!   allocated in commit order and counters never drift;
+//! - the `chat_users` row outlives a clear, so `seq` and `version` never repeat;
+//! - within one user `created_at` never decreases as `seq` grows, which lets
+//!   every read walk the primary key and stay O(rows returned).
+
+mod postgres;
+mod sqlite;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::domain::{
+    Appended, HistoryPage, HistoryQuery, NewMessage, StoredMessage, Tenant, Timestamp, UserId,
+    UserStats, UserSummary,
+};
+
+pub use postgres::PostgresStore;
+pub use sqlite::SqliteStore;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database cannot be reached or is shedding load; retrying later may work.
+    #[error("the database is unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database error")]
+    Database(#[source] sqlx::Error),
+    #[error("migrations failed")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("the schema is not up to date: applied {applied:?}, this build needs {expected}")]
+    NotMigrated { applied: Option<i64>, expected: i64 },
+    #[error("unsupported DATABASE_URL {0:?}: use sqlite://PATH or postgres://USER@HOST/DB")]
+    UnsupportedUrl(String),
+    #[error("stored data could not be read back: {0}")]
+    Corrupt(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        if is_unavailable(&error) {
+            Self::Unavailable(error)
+        } else {
+            Self::Database(error)
+        }
+    }
+}
+
+/// Errors after which the same request may succeed later: the connection is
+/// gone, the pool is exhausted, the server is starting or shutting down, or
+/// SQLite's single writer stayed busy past the timeout.
+fn is_unavailable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            // Postgres: connection exceptions (08…), admin shutdown / cannot
+            // connect now (57P0…), too many connections (53300). SQLite: BUSY, LOCKED.
+            code.starts_with("08")
+                || code.starts_with("57P0")
+                || code == "53300"
+                || code == "5"
+                || code == "6"
+        }
+        _ => false,
+    }
+}
+
+/// How a store connects; the rest of its behaviour comes from each call.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectOptions {
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        Self {
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The only seam between the service and its database.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Applies the backend's pending migrations.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
+    /// Ok when the database answers and every migration of this build is applied.
+    async fn ready(&self) -> Result<(), StoreError>;
+
+    /// Appends `messages` atomically and in order; with `cap`, evicts the
+    /// user's oldest messages in the same transaction so at most `cap` remain.
+    async fn append_messages(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        now: Timestamp,
+        cap: Option<u64>,
+    ) -> Result<Appended, StoreError>;
+
+    /// A page of one user's history, oldest first (see `HistoryQuery`).
+    async fn history_window(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        query: HistoryQuery,
+    ) -> Result<HistoryPage, StoreError>;
+
+    async fn message(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        seq: i64,
+    ) -> Result<Option<StoredMessage>, StoreError>;
+
+    /// Deletes one message; false when there was none with that `seq`.
+    async fn delete_message(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        seq: i64,
+    ) -> Result<bool, StoreError>;
+
+    /// `None` when the user has no messages.
+    async fn user_stats(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+    ) -> Result<Option<UserStats>, StoreError>;
+
+    /// Deletes every message of the user and says how many there were.
+    async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError>;
+
+    /// Users with messages, ordered by the bytes of `user_id`, after `after`;
+    /// the flag says whether more follow.
+    async fn list_users(
+        &self,
+        tenant: &Tenant,
+        after: Option<&UserId>,
+        limit: u32,
+    ) -> Result<(Vec<UserSummary>, bool), StoreError>;
+
+    /// Closes the pools, waiting for connections in use to come back.
+    async fn close(&self);
+}
+
+/// Picks the backend from the URL scheme and opens its pools (lazily for
+/// Postgres, so a service can start before its database).
+pub async fn connect(url: &str, options: ConnectOptions) -> Result<Arc<dyn Store>, StoreError> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(Arc::new(PostgresStore::connect(url, options)?))
+    } else if url.starts_with("sqlite:") {
+        Ok(Arc::new(SqliteStore::connect(url, options).await?))
+    } else {
+        Err(StoreError::UnsupportedUrl(redact_url(url)))
+    }
+}
+
+/// A URL with any password replaced, safe to log or print.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((credentials, host)) => {
+            let user = credentials.split(':').next().unwrap_or_default();
+            if credentials.contains(':') {
+                format!("{scheme}://{user}:***@{host}{path}")
+            } else {
+                url.to_string()
+            }
+        }
+        None => url.to_string(),
+    }
+}
+
+/// The newest migration version a migrator carries.
+fn latest_version(migrator: &sqlx::migrate::Migrator) -> i64 {
+    migrator.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// Turns the stored rows of a page into messages, oldest first, applying the
+/// age cut-off and working out `has_more`. `rows` come in the page's
+/// direction (newest first when paging back) and hold up to `limit + 1` rows.
+fn assemble_page(
+    rows: Vec<(i64, Timestamp, String)>,
+    query: HistoryQuery,
+) -> Result<HistoryPage, StoreError> {
+    let limit = query.limit as usize;
+    let paging_forward = query.after.is_some();
+    let passes = |at: Timestamp| query.not_before.is_none_or(|cut| at >= cut);
+    // Paging back, rows are newest first and `created_at` never increases
+    // along them, so those that pass the age filter are a prefix.
+    let mut kept: Vec<(i64, Timestamp, String)> = if paging_forward {
+        rows
+    } else {
+        rows.into_iter()
+            .take_while(|(_, at, _)| passes(*at))
+            .collect()
+    };
+    let has_more = kept.len() > limit;
+    kept.truncate(limit);
+    if !paging_forward {
+        kept.reverse();
+    }
+    let messages = kept
+        .into_iter()
+        .map(|(seq, at, body)| {
+            StoredMessage::new(seq, at, body).map_err(|e| StoreError::Corrupt(e.to_string()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(HistoryPage { messages, has_more })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_never_leave_redact_url() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:5432/chat"),
+            "postgres://app:***@db:5432/chat"
+        );
+        assert_eq!(
+            redact_url("postgres://app@db/chat"),
+            "postgres://app@db/chat"
+        );
+        assert_eq!(redact_url("sqlite://chat.db"), "sqlite://chat.db");
+    }
+}

@@ -1,0 +1,295 @@
+//! Real databases for tests: a fresh Postgres database or a fresh SQLite
+//! file per test, migrated, and dropped afterwards. Postgres comes from
+//! `TEST_DATABASE_URL` (default: the local server as user `postgres`); when
+//! it cannot be reached the test fails, it never skips.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Once};
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use chat_history::store::{self, ConnectOptions, Store};
+use chat_history::{router, AppState, Limits};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use sqlx::Connection;
+use tower::ServiceExt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+/// Generates one `#[tokio::test]` per backend for each listed async fn
+/// taking a `Backend`, in modules `postgres` and `sqlite`.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Postgres).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name($crate::support::Backend::Sqlite).await
+                }
+            )*
+        }
+    };
+}
+
+static NEXT_DB: AtomicUsize = AtomicUsize::new(0);
+static QUIET_LOGS: Once = Once::new();
+
+fn admin_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database that exists for one test.
+pub struct TestDb {
+    pub backend: Backend,
+    pub url: String,
+    name: String,
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> Self {
+        QUIET_LOGS.call_once(|| {
+            if std::env::var_os("TEST_LOG").is_some() {
+                let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+            }
+        });
+        let name = format!(
+            "chtest_{}_{}",
+            std::process::id(),
+            NEXT_DB.fetch_add(1, Ordering::Relaxed)
+        );
+        match backend {
+            Backend::Postgres => {
+                let admin = admin_url();
+                let mut conn = sqlx::PgConnection::connect(&admin)
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("Postgres tests need a server at TEST_DATABASE_URL ({admin}): {e}")
+                    });
+                drop_stale_databases(&mut conn).await;
+                sqlx::query(&format!("CREATE DATABASE {name}"))
+                    .execute(&mut conn)
+                    .await
+                    .expect("create the test database");
+                conn.close().await.ok();
+                let base = admin.rsplit_once('/').map_or(admin.as_str(), |(b, _)| b);
+                Self {
+                    backend,
+                    url: format!("{base}/{name}"),
+                    name,
+                }
+            }
+            Backend::Sqlite => {
+                let dir = std::env::temp_dir().join("chat-history-tests");
+                std::fs::create_dir_all(&dir).expect("create the SQLite test folder");
+                let path = dir.join(format!("{name}.db"));
+                Self {
+                    backend,
+                    url: format!("sqlite://{}", path.display()),
+                    name: path.display().to_string(),
+                }
+            }
+        }
+    }
+
+    /// A store on this database, migrated.
+    pub async fn store(&self) -> Arc<dyn Store> {
+        let store = self.unmigrated_store().await;
+        store.migrate().await.expect("migrations apply");
+        store
+    }
+
+    pub async fn unmigrated_store(&self) -> Arc<dyn Store> {
+        store::connect(&self.url, ConnectOptions::default())
+            .await
+            .expect("connect to the test database")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        match self.backend {
+            Backend::Sqlite => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", self.name));
+                }
+            }
+            Backend::Postgres => {
+                let name = self.name.clone();
+                // Drop may run inside the test's runtime: use a thread of its own.
+                let _ = std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("a runtime to drop the test database");
+                    runtime.block_on(async {
+                        if let Ok(mut conn) = sqlx::PgConnection::connect(&admin_url()).await {
+                            let _ = sqlx::query(&format!(
+                                "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                            ))
+                            .execute(&mut conn)
+                            .await;
+                        }
+                    });
+                })
+                .join();
+            }
+        }
+    }
+}
+
+/// Drops test databases left by test processes that are gone (a test that
+/// panicked before its `Drop`, or a killed run).
+async fn drop_stale_databases(conn: &mut sqlx::PgConnection) {
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT datname FROM pg_database WHERE datname LIKE 'chtest\\_%'")
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap_or_default();
+    for name in names {
+        let pid = name.split('_').nth(1).unwrap_or_default();
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                .execute(&mut *conn)
+                .await;
+        }
+    }
+}
+
+/// The real router over a real database, driven in-process.
+pub struct TestApp {
+    pub router: Router,
+    pub store: Arc<dyn Store>,
+    /// Kept so the database lives as long as the app.
+    _db: TestDb,
+}
+
+impl TestApp {
+    pub async fn new(backend: Backend) -> Self {
+        Self::with_limits(backend, Limits::default()).await
+    }
+
+    pub async fn with_limits(backend: Backend, limits: Limits) -> Self {
+        let db = TestDb::new(backend).await;
+        let store = db.store().await;
+        let router = router(AppState {
+            store: store.clone(),
+            limits,
+        });
+        Self {
+            router,
+            store,
+            _db: db,
+        }
+    }
+
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        let response = self
+            .router
+            .clone()
+            .oneshot(request)
+            .await
+            .expect("the router answers");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("read the body")
+            .to_bytes();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                panic!(
+                    "body is not JSON ({e}): {}",
+                    String::from_utf8_lossy(&bytes)
+                )
+            })
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn get(&self, uri: &str) -> Reply {
+        self.send(request(Method::GET, uri, None)).await
+    }
+
+    pub async fn delete(&self, uri: &str) -> Reply {
+        self.send(request(Method::DELETE, uri, None)).await
+    }
+
+    pub async fn post_json(&self, uri: &str, body: &Value) -> Reply {
+        self.send(request(Method::POST, uri, Some(body.to_string())))
+            .await
+    }
+
+    /// Appends `messages` to `user` and returns the 201 body.
+    pub async fn append(&self, user: &str, messages: Value) -> Value {
+        let reply = self
+            .post_json(
+                &format!("/v1/users/{user}/messages"),
+                &serde_json::json!({ "messages": messages }),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        reply.body
+    }
+}
+
+/// A request with a JSON body (when given).
+pub fn request(method: Method, uri: &str, json: Option<String>) -> Request<Body> {
+    let builder = Request::builder().method(method).uri(uri);
+    match json {
+        Some(json) => builder
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(json)),
+        None => builder.body(Body::empty()),
+    }
+    .expect("a valid request")
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Value,
+}
+
+impl Reply {
+    /// Asserts this is a problem+json error with `status` and returns its detail.
+    pub fn problem(&self, status: StatusCode) -> String {
+        assert_eq!(self.status, status, "body: {}", self.body);
+        assert_eq!(
+            self.headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok()),
+            Some("application/problem+json"),
+            "content type of a {status} reply"
+        );
+        assert_eq!(self.body["status"], status.as_u16());
+        assert_eq!(self.body["type"], "about:blank");
+        assert!(self.body["title"].is_string());
+        let detail = self.body["detail"].as_str().expect("a detail").to_string();
+        assert!(!detail.is_empty());
+        detail
+    }
+}
