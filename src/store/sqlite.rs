@@ -83,14 +83,20 @@ WHERE tenant = ?1 AND user_id = ?2 AND seq < ?3
 ORDER BY seq DESC LIMIT ?4
 "#;
 
+/// Where the age window of a user starts: the smallest `seq` whose
+/// `created_at` is inside it, found through `chat_messages_age`.
+const WINDOW_START: &str = r#"
+SELECT seq FROM chat_messages
+WHERE tenant = ?1 AND user_id = ?2 AND created_at >= ?3
+ORDER BY created_at, seq LIMIT 1
+"#;
+
+/// Oldest first from `?3` (exclusive) below `?4`. SQLite does not turn a
+/// subquery bound into an index range, so the window start is found first.
 const PAGE_FORWARD: &str = r#"
 SELECT seq, created_at, message FROM chat_messages
 WHERE tenant = ?1 AND user_id = ?2 AND seq > ?3 AND seq < ?4
-  AND seq >= (
-    SELECT seq FROM chat_messages
-    WHERE tenant = ?1 AND user_id = ?2 AND created_at >= ?5
-    ORDER BY created_at, seq LIMIT 1)
-ORDER BY seq LIMIT ?6
+ORDER BY seq LIMIT ?5
 "#;
 
 const STATS: &str = r#"
@@ -247,12 +253,23 @@ impl Store for SqliteStore {
             }
             Some(after) => {
                 let not_before = query.not_before.unwrap_or(Timestamp::from_micros(0));
+                let window_start: Option<i64> = sqlx::query_scalar(WINDOW_START)
+                    .bind(tenant.as_str())
+                    .bind(user.as_str())
+                    .bind(not_before.as_micros())
+                    .fetch_optional(&self.reader)
+                    .await?;
+                let Some(window_start) = window_start else {
+                    return Ok(HistoryPage {
+                        messages: Vec::new(),
+                        has_more: false,
+                    });
+                };
                 sqlx::query(PAGE_FORWARD)
                     .bind(tenant.as_str())
                     .bind(user.as_str())
-                    .bind(after)
+                    .bind(after.max(window_start - 1))
                     .bind(before)
-                    .bind(not_before.as_micros())
                     .bind(fetch)
                     .fetch_all(&self.reader)
                     .await?
