@@ -2,20 +2,18 @@
 //! for a user with 50 messages and for one with 1,000,000 (all older than
 //! the 24 h window), on each backend, in one run, and prints the ratios.
 //!
-//! cargo bench --bench history_read                      # both backends, 1,000,000 rows
-//! BENCH_MESSAGES=200000 cargo bench --bench history_read   # quicker
+//! cargo bench --bench history_read                          # both backends, 1,000,000 rows
+//! BENCH_MESSAGES=200000 cargo bench --bench history_read    # quicker
 //! BENCH_BACKENDS=sqlite cargo bench --bench history_read
-//!
-//! Postgres comes from TEST_DATABASE_URL (default: the local server as
-//! `postgres`); a database `chat_history_bench` is created and dropped.
 
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
-use chat_history::domain::{HistoryQuery, NewMessage, Tenant, Timestamp, UserId};
-use chat_history::store::{self, ConnectOptions, Store};
-use serde_json::json;
-use sqlx::Connection;
+use chat_history::domain::{HistoryQuery, Tenant, Timestamp, UserId};
+use chat_history::store::Store;
+
+use common::{append, compare, micros, turns};
 
 const SMALL: usize = 50;
 const BATCH: usize = 1000;
@@ -23,87 +21,13 @@ const ROUNDS: usize = 200;
 
 #[tokio::main]
 async fn main() {
-    let messages: usize = std::env::var("BENCH_MESSAGES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000_000);
-    let backends = std::env::var("BENCH_BACKENDS").unwrap_or_else(|_| "postgres,sqlite".into());
-    for backend in backends.split(',') {
-        let (store, cleanup) = open(backend).await;
-        run(backend, &*store, messages).await;
+    let messages = common::setting("BENCH_MESSAGES", 1_000_000);
+    for backend in common::backends() {
+        let (store, cleanup) = common::open(&backend, "chat_history_bench_read").await;
+        run(&backend, &*store, messages).await;
         store.close().await;
         cleanup.await;
     }
-}
-
-async fn open(
-    backend: &str,
-) -> (
-    Arc<dyn Store>,
-    std::pin::Pin<Box<dyn std::future::Future<Output = ()>>>,
-) {
-    match backend {
-        "postgres" => {
-            let admin = std::env::var("TEST_DATABASE_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-            let mut conn = sqlx::PgConnection::connect(&admin)
-                .await
-                .expect("connect to Postgres");
-            sqlx::query("DROP DATABASE IF EXISTS chat_history_bench WITH (FORCE)")
-                .execute(&mut conn)
-                .await
-                .unwrap();
-            sqlx::query("CREATE DATABASE chat_history_bench")
-                .execute(&mut conn)
-                .await
-                .unwrap();
-            let base = admin
-                .rsplit_once('/')
-                .map_or(admin.as_str(), |(b, _)| b)
-                .to_string();
-            let store = store::connect(
-                &format!("{base}/chat_history_bench"),
-                ConnectOptions::default(),
-            )
-            .await
-            .unwrap();
-            store.migrate().await.unwrap();
-            let cleanup = Box::pin(async move {
-                let _ = sqlx::query("DROP DATABASE IF EXISTS chat_history_bench WITH (FORCE)")
-                    .execute(&mut conn)
-                    .await;
-            });
-            (store, cleanup)
-        }
-        "sqlite" => {
-            let path =
-                std::env::temp_dir().join(format!("chat_history_bench_{}.db", std::process::id()));
-            let store = store::connect(
-                &format!("sqlite://{}", path.display()),
-                ConnectOptions::default(),
-            )
-            .await
-            .unwrap();
-            store.migrate().await.unwrap();
-            let cleanup = Box::pin(async move {
-                for suffix in ["", "-wal", "-shm"] {
-                    let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-                }
-            });
-            (store, cleanup)
-        }
-        other => panic!("unknown backend {other:?}; use postgres or sqlite"),
-    }
-}
-
-fn batch(n: usize) -> Vec<NewMessage> {
-    (0..n)
-        .map(|i| {
-            let role = if i % 2 == 0 { "user" } else { "assistant" };
-            let value = json!({"role": role, "content": format!("message {i}: a sentence of ordinary length for a chat turn.")});
-            NewMessage::from_value(value, "m").unwrap()
-        })
-        .collect()
 }
 
 async fn run(backend: &str, store: &dyn Store, messages: usize) {
@@ -111,24 +35,17 @@ async fn run(backend: &str, store: &dyn Store, messages: usize) {
     let big = UserId::parse("big").unwrap();
     let small = UserId::parse("small").unwrap();
     let now = Timestamp::now();
-    let two_days_ago = now.minus_seconds(2 * 86_400);
 
     let started = Instant::now();
-    let rows = batch(BATCH);
+    let rows = turns(BATCH, "old");
     let mut written = 0;
     while written < messages {
         let n = BATCH.min(messages - written);
-        store
-            .append_messages(&tenant, &big, &rows[..n], two_days_ago, None)
-            .await
-            .unwrap();
+        append(store, "big", &rows[..n], now.minus_seconds(2 * 86_400)).await;
         written += n;
     }
     let load = started.elapsed();
-    store
-        .append_messages(&tenant, &small, &batch(SMALL), now, None)
-        .await
-        .unwrap();
+    append(store, "small", &turns(SMALL, "new"), now).await;
     println!(
         "\n{backend}: loaded {messages} messages for `big` in {:.1}s ({:.0} messages/s); `small` has {SMALL}",
         load.as_secs_f64(),
@@ -149,22 +66,21 @@ async fn run(backend: &str, store: &dyn Store, messages: usize) {
         after: Some(0),
         ..window_24h
     };
-
     println!(
-        "{:<44} {:>12} {:>12} {:>8}",
+        "{:<44} {:>12} {:>12} {:>9}",
         "read (median of 200)", "small", "big", "big/small"
     );
-    let cases: [(&str, HistoryQuery); 3] = [
+    for (name, query) in [
         ("last 50, no age filter", last_50),
         ("last 50 within 24 h (big: all older)", window_24h),
         ("forward from after=0 within 24 h", forward_24h),
-    ];
-    for (name, query) in cases {
+    ] {
         let (small_time, big_time) = compare(
-            || async {
+            ROUNDS,
+            |_| async {
                 store.history_window(&tenant, &small, query).await.unwrap();
             },
-            || async {
+            |_| async {
                 store.history_window(&tenant, &big, query).await.unwrap();
             },
         )
@@ -172,10 +88,11 @@ async fn run(backend: &str, store: &dyn Store, messages: usize) {
         report(name, small_time, big_time);
     }
     let (small_time, big_time) = compare(
-        || async {
+        ROUNDS,
+        |_| async {
             store.user_stats(&tenant, &small).await.unwrap();
         },
-        || async {
+        |_| async {
             store.user_stats(&tenant, &big).await.unwrap();
         },
     )
@@ -185,36 +102,9 @@ async fn run(backend: &str, store: &dyn Store, messages: usize) {
 
 fn report(name: &str, small: Duration, big: Duration) {
     println!(
-        "{name:<44} {:>10.0}µs {:>10.0}µs {:>8.2}",
-        small.as_secs_f64() * 1e6,
-        big.as_secs_f64() * 1e6,
+        "{name:<44} {:>10.0}µs {:>10.0}µs {:>9.2}",
+        micros(small),
+        micros(big),
         big.as_secs_f64() / small.as_secs_f64()
     );
-}
-
-/// Median wall times of `small` and `big` over `ROUNDS` calls each, after a
-/// warm-up, alternating call by call so both see the same machine load.
-async fn compare<A, B, FA, FB>(mut small: A, mut big: B) -> (Duration, Duration)
-where
-    A: FnMut() -> FA,
-    B: FnMut() -> FB,
-    FA: std::future::Future<Output = ()>,
-    FB: std::future::Future<Output = ()>,
-{
-    for _ in 0..10 {
-        small().await;
-        big().await;
-    }
-    let (mut small_times, mut big_times) = (Vec::with_capacity(ROUNDS), Vec::with_capacity(ROUNDS));
-    for _ in 0..ROUNDS {
-        let started = Instant::now();
-        small().await;
-        small_times.push(started.elapsed());
-        let started = Instant::now();
-        big().await;
-        big_times.push(started.elapsed());
-    }
-    small_times.sort_unstable();
-    big_times.sort_unstable();
-    (small_times[ROUNDS / 2], big_times[ROUNDS / 2])
 }

@@ -110,6 +110,15 @@ pub struct Config {
     )]
     pub max_body_bytes: ByteSize,
 
+    /// A request running longer than this gets a 503 (and shutdown waits no longer).
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_REQUEST_TIMEOUT",
+        default_value = "30s",
+        global = true
+    )]
+    pub request_timeout: Seconds,
+
     /// Database connections in the pool (SQLite: read connections).
     #[arg(
         long,
@@ -140,6 +149,7 @@ impl fmt::Debug for Config {
             .field("max_messages_per_user", &self.max_messages_per_user)
             .field("max_batch", &self.max_batch)
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("request_timeout", &self.request_timeout)
             .field("db_max_connections", &self.db_max_connections)
             .field("log_format", &self.log_format)
             .finish()
@@ -153,6 +163,7 @@ impl Config {
             max_messages_per_user: self.max_messages_per_user.0.map(|c| c.0),
             default_window: self.default_window.0.map(|s| s.0),
             max_body_bytes: self.max_body_bytes.0,
+            request_timeout: self.request_timeout.0,
         }
     }
 

@@ -8,6 +8,7 @@ use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
 use serde_json::Value;
+use sha2::{Digest as _, Sha256};
 
 /// The longest `user_id` accepted, in bytes of UTF-8.
 pub const USER_ID_MAX_BYTES: usize = 256;
@@ -132,11 +133,21 @@ impl Serialize for Timestamp {
 
 /// A message as the caller wrote it, checked and serialised once: `body` is
 /// its JSON text (keys in a canonical order, numbers exactly as written), so
-/// two messages are equal JSON values exactly when their bodies are equal.
+/// two messages are equal JSON values exactly when their bodies are equal,
+/// and `digest` (SHA-256 of the body, first 16 bytes) stands in for it when
+/// a stored transcript is compared with a new one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewMessage {
-    role: String,
     body: String,
+    digest: [u8; 16],
+}
+
+/// The first 16 bytes of the SHA-256 of `text`.
+pub fn digest16(text: &str) -> [u8; 16] {
+    let full = Sha256::digest(text.as_bytes());
+    let mut short = [0u8; 16];
+    short.copy_from_slice(&full[..16]);
+    short
 }
 
 impl NewMessage {
@@ -149,8 +160,8 @@ impl NewMessage {
                 json_kind(&value)
             )));
         };
-        let role = match map.get("role") {
-            Some(Value::String(role)) if !role.is_empty() => role.clone(),
+        match map.get("role") {
+            Some(Value::String(role)) if !role.is_empty() => {}
             Some(Value::String(_)) => {
                 return Err(Invalid(format!("{at}.role must not be empty")));
             }
@@ -165,27 +176,26 @@ impl NewMessage {
                     "{at} has no `role`; every message needs a non-empty string role"
                 )));
             }
-        };
-        if let Some(path) = find_nul(&value, at) {
-            return Err(Invalid(format!(
-                "{path} contains a NUL character (\\u0000), which the store cannot keep faithfully; remove or replace it"
-            )));
         }
         let body = serde_json::to_string(&value).map_err(|e| Invalid(e.to_string()))?;
-        Ok(Self { role, body })
-    }
-
-    /// Rebuilds a message from what a store kept (already validated once).
-    pub fn from_stored(role: String, body: String) -> Self {
-        Self { role, body }
-    }
-
-    pub fn role(&self) -> &str {
-        &self.role
+        // A NUL is written as `\u0000`; only then is the tree walked for its path.
+        if body.contains("\\u0000") {
+            if let Some(path) = find_nul(&value, at) {
+                return Err(Invalid(format!(
+                    "{path} contains a NUL character (\\u0000), which the store cannot keep faithfully; remove or replace it"
+                )));
+            }
+        }
+        let digest = digest16(&body);
+        Ok(Self { body, digest })
     }
 
     pub fn body(&self) -> &str {
         &self.body
+    }
+
+    pub fn digest(&self) -> [u8; 16] {
+        self.digest
     }
 }
 
@@ -341,6 +351,143 @@ pub struct Appended {
     pub version: i64,
 }
 
+/// The longest `Idempotency-Key` accepted, in characters.
+pub const IDEMPOTENCY_KEY_MAX_CHARS: usize = 255;
+
+/// How long an `Idempotency-Key` is remembered, at least.
+pub const IDEMPOTENCY_KEY_TTL_SECONDS: u64 = 24 * 60 * 60;
+
+/// A caller's `Idempotency-Key` and the digest of the request it came with:
+/// a retry carries the same key and an equal body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Idempotency {
+    key: String,
+    request_digest: [u8; 16],
+}
+
+impl Idempotency {
+    /// `request` is the whole request body; equal JSON values give equal
+    /// digests because it is serialised with keys in canonical order.
+    pub fn new(key: &str, request: &Value) -> Result<Self, Invalid> {
+        if key.is_empty() {
+            return Err(Invalid("Idempotency-Key must not be empty".into()));
+        }
+        let chars = key.chars().count();
+        if chars > IDEMPOTENCY_KEY_MAX_CHARS {
+            return Err(Invalid(format!(
+                "Idempotency-Key is {chars} characters long; the limit is {IDEMPOTENCY_KEY_MAX_CHARS}"
+            )));
+        }
+        let canonical = serde_json::to_string(request).map_err(|e| Invalid(e.to_string()))?;
+        Ok(Self {
+            key: key.to_string(),
+            request_digest: digest16(&canonical),
+        })
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn request_digest(&self) -> [u8; 16] {
+        self.request_digest
+    }
+}
+
+/// How an append with or without an `Idempotency-Key` ended.
+#[derive(Debug, Clone)]
+pub enum AppendOutcome {
+    /// The messages were stored now.
+    Stored(Appended),
+    /// The key was seen before with an equal body: nothing was stored, and
+    /// this is what the first request stored.
+    Replayed(Appended),
+    /// The key was seen before with a different body.
+    KeyReused,
+}
+
+/// A whole transcript: the messages verbatim, in order, and the version.
+#[derive(Debug)]
+pub struct Transcript {
+    pub messages: Vec<Box<RawValue>>,
+    pub version: i64,
+}
+
+/// An `If-Match` precondition on a user's version.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IfMatch {
+    /// `*`: there must be a transcript.
+    Exists,
+    /// One or more versions, any of which may be current.
+    Versions(Vec<i64>),
+}
+
+impl IfMatch {
+    /// Parses the header: `*`, or a comma-separated list of strong ETags
+    /// like `"17"`. Anything else can never match.
+    pub fn parse(header: &str) -> Self {
+        if header.trim() == "*" {
+            return Self::Exists;
+        }
+        Self::Versions(
+            header
+                .split(',')
+                .filter_map(|tag| {
+                    tag.trim()
+                        .strip_prefix('"')?
+                        .strip_suffix('"')?
+                        .parse::<i64>()
+                        .ok()
+                })
+                .collect(),
+        )
+    }
+
+    pub fn admits(&self, version: i64, message_count: i64) -> bool {
+        match self {
+            Self::Exists => message_count > 0,
+            Self::Versions(versions) => versions.contains(&version),
+        }
+    }
+}
+
+/// A digest of a whole transcript: of its messages' digests, in order. A
+/// save stores it; the next save compares it with the digest of its own
+/// first `message_count` messages to learn, without reading them, that it
+/// only adds to what is stored.
+pub fn transcript_digest(messages: &[NewMessage]) -> [u8; 16] {
+    let mut hasher = Sha256::new();
+    for message in messages {
+        hasher.update(message.digest());
+    }
+    let mut short = [0u8; 16];
+    short.copy_from_slice(&hasher.finalize()[..16]);
+    short
+}
+
+/// What replacing a transcript did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Saved {
+    pub version: i64,
+    /// Messages of the stored transcript left as they were (same `seq`).
+    pub kept: u64,
+    /// Messages written after the common prefix.
+    pub appended: u64,
+    /// Messages deleted: those after the common prefix, and any evicted by
+    /// `max_messages_per_user`.
+    pub removed: u64,
+}
+
+/// How a transcript save ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaveOutcome {
+    Saved(Saved),
+    /// `If-Match` named another version; nothing changed.
+    PreconditionFailed {
+        current_version: i64,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,6 +562,36 @@ mod tests {
             serde_json::from_str(r#"{"role":"user","n":123456789012345678901234567890}"#).unwrap();
         let message = NewMessage::from_value(value, "m").unwrap();
         assert!(message.body().contains("123456789012345678901234567890"));
+    }
+
+    #[test]
+    fn if_match_parses_strong_etags() {
+        assert_eq!(IfMatch::parse("\"3\""), IfMatch::Versions(vec![3]));
+        assert_eq!(
+            IfMatch::parse(" \"3\", \"4\" "),
+            IfMatch::Versions(vec![3, 4])
+        );
+        assert_eq!(IfMatch::parse("*"), IfMatch::Exists);
+        assert!(!IfMatch::parse("W/\"3\"").admits(3, 1));
+        assert!(!IfMatch::parse("3").admits(3, 1));
+        assert!(IfMatch::parse("\"0\"").admits(0, 0));
+        assert!(!IfMatch::Exists.admits(5, 0));
+    }
+
+    #[test]
+    fn idempotency_digests_equal_values_equally() {
+        let a: Value =
+            serde_json::from_str(r#"{"messages":[{"role":"user","a":1,"b":2}]}"#).unwrap();
+        let b: Value =
+            serde_json::from_str(r#"{ "messages": [ {"b":2, "role":"user", "a":1} ] }"#).unwrap();
+        let c: Value =
+            serde_json::from_str(r#"{"messages":[{"role":"user","a":1,"b":3}]}"#).unwrap();
+        let key = |v: &Value| Idempotency::new("k", v).unwrap().request_digest();
+        assert_eq!(key(&a), key(&b));
+        assert_ne!(key(&a), key(&c));
+        assert!(Idempotency::new(&"k".repeat(255), &a).is_ok());
+        assert!(Idempotency::new(&"k".repeat(256), &a).is_err());
+        assert!(Idempotency::new("", &a).is_err());
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //!
 //! Read it top down: `domain` holds the product's nouns, `store` keeps them
 //! in Postgres or SQLite behind one trait, `api` serves them over HTTP with
-//! `error` shaping every failure as problem+json, and `server` runs it all.
+//! `error` shaping every failure as problem+json, `cleanup` enforces retention,
+//! and `server` runs it all.
 
 pub mod api;
+pub mod cleanup;
 pub mod config;
 pub mod domain;
 pub mod error;

@@ -5,8 +5,10 @@ use std::future::Future;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 use crate::api::{router, AppState};
+use crate::cleanup;
 use crate::config::Config;
 use crate::store::{self, redact_url, Store};
 
@@ -31,7 +33,23 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
         store: store.clone(),
         limits: config.limits(),
     };
-    launch(listener, state, shutdown_signal()).await?;
+    let shutdown = CancellationToken::new();
+    let retention = cleanup::spawn(
+        store.clone(),
+        config.retention.0.map(|r| r.0),
+        config.cleanup_interval.0,
+        shutdown.clone(),
+    );
+    let signalled = shutdown.clone();
+    launch(listener, state, async move {
+        shutdown_signal().await;
+        signalled.cancel();
+    })
+    .await?;
+    shutdown.cancel();
+    if let Err(e) = retention.await {
+        tracing::error!("retention task failed: {e}");
+    }
     store.close().await;
     tracing::info!("stopped");
     Ok(())

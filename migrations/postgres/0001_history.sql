@@ -13,6 +13,10 @@ CREATE TABLE chat_users (
     last_created_at timestamptz NOT NULL,
     -- never later than the user's oldest message: where retention looks
     oldest_at       timestamptz,
+    -- set by a transcript save: a digest of the digests of every message in
+    -- order, so the next save can tell in O(1) that it only adds messages;
+    -- any other write sets it to NULL
+    transcript_digest bytea,
     PRIMARY KEY (tenant, user_id)
 ) WITH (fillfactor = 80);
 
@@ -27,9 +31,29 @@ CREATE TABLE chat_messages (
     seq        bigint NOT NULL,
     created_at timestamptz NOT NULL,
     message    text NOT NULL,
+    -- first 16 bytes of the SHA-256 of `message`: a transcript save compares
+    -- these instead of whole messages to find what it can keep
+    digest     bytea NOT NULL,
     PRIMARY KEY (tenant, user_id, seq)
 );
 
 -- Finds where a user's age window starts (and what retention removes)
 -- without walking the older history.
 CREATE INDEX chat_messages_age ON chat_messages (tenant, user_id, created_at, seq);
+
+-- What an append with an Idempotency-Key stored, so that a retry gets the
+-- same answer: the digest of its body and where its messages went. Kept at
+-- least 24 hours; the retention task deletes older keys.
+CREATE TABLE chat_idempotency (
+    tenant         text COLLATE "C" NOT NULL,
+    user_id        text COLLATE "C" NOT NULL,
+    key            text COLLATE "C" NOT NULL,
+    request_digest bytea NOT NULL,
+    first_seq      bigint NOT NULL,
+    created_at     timestamptz NOT NULL,
+    version        bigint NOT NULL,
+    stored_at      timestamptz NOT NULL,
+    PRIMARY KEY (tenant, user_id, key)
+);
+
+CREATE INDEX chat_idempotency_stored_at ON chat_idempotency (stored_at);

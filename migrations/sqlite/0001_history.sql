@@ -9,6 +9,7 @@ CREATE TABLE chat_users (
     message_count   INTEGER NOT NULL,
     last_created_at INTEGER NOT NULL,
     oldest_at       INTEGER,
+    transcript_digest BLOB,
     PRIMARY KEY (tenant, user_id)
 ) STRICT;
 
@@ -21,7 +22,22 @@ CREATE TABLE chat_messages (
     seq        INTEGER NOT NULL,
     created_at INTEGER NOT NULL,
     message    TEXT NOT NULL,
+    digest     BLOB NOT NULL,
     PRIMARY KEY (tenant, user_id, seq)
 ) STRICT;
 
 CREATE INDEX chat_messages_age ON chat_messages (tenant, user_id, created_at, seq);
+
+CREATE TABLE chat_idempotency (
+    tenant         TEXT NOT NULL,
+    user_id        TEXT NOT NULL,
+    key            TEXT NOT NULL,
+    request_digest BLOB NOT NULL,
+    first_seq      INTEGER NOT NULL,
+    created_at     INTEGER NOT NULL,
+    version        INTEGER NOT NULL,
+    stored_at      INTEGER NOT NULL,
+    PRIMARY KEY (tenant, user_id, key)
+) STRICT;
+
+CREATE INDEX chat_idempotency_stored_at ON chat_idempotency (stored_at);

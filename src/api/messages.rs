@@ -1,7 +1,8 @@
 //! `/v1/users/{user_id}/messages`: append to a history and read it back.
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use utoipa::{IntoParams, ToSchema};
@@ -9,7 +10,9 @@ use utoipa::{IntoParams, ToSchema};
 use super::extract::{JsonBody, Path, Query};
 use super::schema::{AppendResponse, DeletedResponse, HistoryResponse, MessageBatch};
 use super::{user_id, AppState};
-use crate::domain::{parse_message_list, HistoryQuery, StoredMessage, Tenant, Timestamp};
+use crate::domain::{
+    parse_message_list, AppendOutcome, HistoryQuery, Idempotency, StoredMessage, Tenant, Timestamp,
+};
 use crate::error::{ApiError, Problem};
 
 /// The most messages one history read returns.
@@ -118,16 +121,27 @@ impl HistoryParams {
     }
 }
 
+/// The header that makes an append safe to retry.
+const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Set on a 201 that replays an earlier append with the same key.
+const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
 /// Append messages to a user's history.
 ///
 /// Appends 1..`max_batch` messages atomically and in order. Each gets the
-/// next `seq` of this user and the server's `created_at`.
+/// next `seq` of this user and the server's `created_at`. With an
+/// `Idempotency-Key`, a retry with the same key and an equal body returns the
+/// first response (and `Idempotent-Replayed: true`) and stores nothing.
 #[utoipa::path(
     post,
     path = "/v1/users/{user_id}/messages",
     operation_id = "appendMessages",
     tag = "messages",
-    params(UserPath),
+    params(
+        UserPath,
+        ("Idempotency-Key" = Option<String>, Header, max_length = 255,
+            description = "Makes the append safe to retry: the same key with an equal body returns the first response and stores nothing; with another body it is a 422. Kept at least 24 hours, per user."),
+    ),
     request_body(content = MessageBatch, content_type = "application/json",
         example = json!({"messages": [
             {"role": "user", "content": "What is the weather in Paris?"},
@@ -135,11 +149,12 @@ impl HistoryParams {
                 "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}
         ]})),
     responses(
-        (status = 201, description = "Stored, in order", body = AppendResponse),
-        (status = 400, description = "Malformed JSON or a bad `user_id`", body = Problem, content_type = "application/problem+json"),
+        (status = 201, description = "Stored, in order", body = AppendResponse,
+            headers(("Idempotent-Replayed" = String, description = "`true` when this replays an earlier append with the same Idempotency-Key"))),
+        (status = 400, description = "Malformed JSON, a bad `user_id` or a bad Idempotency-Key", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 422, description = "Valid JSON that breaks a rule: no `role`, empty batch, batch over `max_batch`, NUL in a string", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Valid JSON that breaks a rule: no `role`, empty batch, batch over `max_batch`, NUL in a string, Idempotency-Key reused with another body", body = Problem, content_type = "application/problem+json"),
         (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
             headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
@@ -148,9 +163,22 @@ pub async fn append_messages(
     State(state): State<AppState>,
     tenant: Tenant,
     Path(path): Path<UserPath>,
+    headers: HeaderMap,
     JsonBody(body): JsonBody,
-) -> Result<(StatusCode, Json<AppendResponse>), ApiError> {
+) -> Result<Response, ApiError> {
     let user = user_id(path.user_id)?;
+    let idempotency = match headers.get(IDEMPOTENCY_KEY) {
+        None => None,
+        Some(value) => {
+            let key = value.to_str().map_err(|_| {
+                ApiError::invalid_parameter("Idempotency-Key", "use visible ASCII characters only")
+            })?;
+            Some(
+                Idempotency::new(key, &body)
+                    .map_err(|e| ApiError::invalid_parameter("Idempotency-Key", e))?,
+            )
+        }
+    };
     let messages = parse_message_list(body)?;
     if messages.is_empty() {
         return Err(ApiError::Unprocessable(
@@ -164,7 +192,7 @@ pub async fn append_messages(
             messages.len()
         )));
     }
-    let appended = state
+    let outcome = state
         .store
         .append_messages(
             &tenant,
@@ -172,16 +200,34 @@ pub async fn append_messages(
             &messages,
             Timestamp::now(),
             state.limits.max_messages_per_user,
+            idempotency.as_ref(),
         )
         .await?;
-    Ok((
+    let (appended, replayed) = match outcome {
+        AppendOutcome::Stored(appended) => (appended, false),
+        AppendOutcome::Replayed(appended) => (appended, true),
+        AppendOutcome::KeyReused => {
+            return Err(ApiError::Unprocessable(
+                "this Idempotency-Key was already used with a different body for this user; use a new key for a new request"
+                    .into(),
+            ))
+        }
+    };
+    let mut response = (
         StatusCode::CREATED,
         Json(AppendResponse {
             user_id: user,
             messages: appended.messages,
             version: appended.version,
         }),
-    ))
+    )
+        .into_response();
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    Ok(response)
 }
 
 /// Read a user's recent history.

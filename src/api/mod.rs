@@ -2,20 +2,23 @@
 //! them into one axum `Router` and derives the OpenAPI document from the same
 //! handler annotations, so the contract cannot drift from the code.
 
+mod admin;
 mod extract;
 mod messages;
 mod ops;
 pub mod schema;
+mod transcript;
 mod users;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
+use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -43,6 +46,8 @@ pub struct Limits {
     pub default_window: Option<Duration>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// A request still running after this gets a 503, so shutdown cannot hang.
+    pub request_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -52,6 +57,7 @@ impl Default for Limits {
             max_messages_per_user: None,
             default_window: Some(Duration::from_secs(24 * 60 * 60)),
             max_body_bytes: 8 * 1024 * 1024,
+            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -68,6 +74,8 @@ purge what has expired. Every error is an RFC 9457 `application/problem+json` do
     tags(
         (name = "messages", description = "Append to and read one user's history."),
         (name = "users", description = "Who has history, how much, and clearing it."),
+        (name = "transcripts", description = "A conversation as one document: load it, save it whole."),
+        (name = "admin", description = "Bulk deletion within the caller's tenant."),
         (name = "operations", description = "Liveness, readiness and this document.")
     ),
     components(schemas(Problem))
@@ -78,6 +86,12 @@ fn api_routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(messages::append_messages, messages::get_history))
         .routes(routes!(messages::get_message, messages::delete_message))
+        .routes(routes!(
+            transcript::get_transcript,
+            transcript::put_transcript
+        ))
+        .routes(routes!(admin::purge_expired))
+        .routes(routes!(admin::clear_all))
         .routes(routes!(users::list_users))
         .routes(routes!(
             users::user_stats,
@@ -101,9 +115,14 @@ pub fn openapi_json() -> String {
 /// The whole service as one axum `Router`: the seam tests drive.
 pub fn router(state: AppState) -> Router {
     let (routes, _) = api_routes().split_for_parts();
+    let limits = state.limits;
     let routes = telemetry::trace_requests(
         routes
-            .layer(DefaultBodyLimit::max(state.limits.max_body_bytes))
+            .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+            .layer(TimeoutLayer::with_status_code(
+                StatusCode::SERVICE_UNAVAILABLE,
+                limits.request_timeout,
+            ))
             .with_state(state),
     );
     // Wrapped from outside so that it sees responses axum finishes last,
@@ -131,6 +150,9 @@ async fn problem_for_bare_errors(request: Request, next: Next) -> Response {
         StatusCode::NOT_FOUND => {
             format!("nothing lives at {path}; the API is under /v1 and described at /openapi.json")
         }
+        StatusCode::SERVICE_UNAVAILABLE => {
+            "the request took longer than this server allows (request_timeout); retry later".into()
+        }
         StatusCode::METHOD_NOT_ALLOWED => {
             let allowed = response
                 .headers()
@@ -141,7 +163,14 @@ async fn problem_for_bare_errors(request: Request, next: Next) -> Response {
         }
         other => other.canonical_reason().unwrap_or("error").to_string(),
     };
-    Problem::new(status, detail).into_response_with(response)
+    let mut response = Problem::new(status, detail).into_response_with(response);
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        response
+            .headers_mut()
+            .entry(header::RETRY_AFTER)
+            .or_insert(HeaderValue::from_static("1"));
+    }
+    response
 }
 
 /// A `user_id` from the path, or a 400 that says what is wrong with it.

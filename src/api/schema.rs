@@ -139,3 +139,57 @@ pub struct StatusResponse {
     #[schema(example = "ok")]
     pub status: &'static str,
 }
+
+/// A whole transcript: the messages exactly as written, in order.
+#[derive(Serialize, ToSchema)]
+pub struct TranscriptResponse {
+    #[schema(value_type = String, example = "session-42")]
+    pub user_id: UserId,
+    #[schema(value_type = Vec<Message>)]
+    pub messages: Vec<Box<serde_json::value::RawValue>>,
+    /// The version this transcript is at; also the `ETag`.
+    #[schema(example = 17)]
+    pub version: i64,
+}
+
+/// `{"messages": [...]}`: the whole transcript to save; an empty list clears it.
+#[derive(ToSchema)]
+pub struct TranscriptBody {
+    pub messages: Vec<Message>,
+}
+
+/// What saving a transcript did.
+#[derive(Serialize, ToSchema)]
+pub struct SaveTranscriptResponse {
+    #[schema(value_type = String, example = "session-42")]
+    pub user_id: UserId,
+    /// The version after the save (unchanged when nothing changed); also the `ETag`.
+    #[schema(example = 18)]
+    pub version: i64,
+    /// Messages of the common prefix, left untouched (same `seq` and `created_at`).
+    #[schema(example = 1000)]
+    pub kept: u64,
+    /// Messages written after the common prefix.
+    #[schema(example = 2)]
+    pub appended: u64,
+    /// Stored messages deleted: those after the common prefix, and any evicted
+    /// by `max_messages_per_user`.
+    #[schema(example = 0)]
+    pub removed: u64,
+}
+
+/// `POST /v1/admin/purge-expired`.
+#[derive(ToSchema)]
+pub struct PurgeExpiredRequest {
+    /// Delete every message older than this many seconds.
+    #[schema(minimum = 1, example = 2592000)]
+    pub max_age: u64,
+}
+
+/// `POST /v1/admin/clear-all`.
+#[derive(ToSchema)]
+pub struct ClearAllRequest {
+    /// Must be `true`: this deletes every message.
+    #[schema(example = true)]
+    pub confirm: bool,
+}

@@ -18,8 +18,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::domain::{
-    Appended, HistoryPage, HistoryQuery, NewMessage, StoredMessage, Tenant, Timestamp, UserId,
-    UserStats, UserSummary,
+    AppendOutcome, Appended, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
+    SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId, UserStats, UserSummary,
 };
 
 pub use postgres::PostgresStore;
@@ -103,6 +103,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Appends `messages` atomically and in order; with `cap`, evicts the
     /// user's oldest messages in the same transaction so at most `cap` remain.
+    /// With `idempotency`, a key already seen replays the first append (equal
+    /// body) or is refused (another body), and nothing is stored.
     async fn append_messages(
         &self,
         tenant: &Tenant,
@@ -110,7 +112,44 @@ pub trait Store: Send + Sync + 'static {
         messages: &[NewMessage],
         now: Timestamp,
         cap: Option<u64>,
-    ) -> Result<Appended, StoreError>;
+        idempotency: Option<&Idempotency>,
+    ) -> Result<AppendOutcome, StoreError>;
+
+    /// The whole transcript, or `None` when the user has no messages.
+    async fn transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+    ) -> Result<Option<Transcript>, StoreError>;
+
+    /// Replaces the transcript atomically, keeping the longest common prefix
+    /// untouched (same `seq`, same `created_at`, rows not rewritten).
+    async fn save_transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        if_match: Option<&IfMatch>,
+        now: Timestamp,
+        cap: Option<u64>,
+    ) -> Result<SaveOutcome, StoreError>;
+
+    /// Deletes the tenant's messages created before `cutoff`, in short
+    /// transactions of bounded size, and says how many.
+    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError>;
+
+    /// Deletes every message of the tenant, user by user in short
+    /// transactions, and says how many.
+    async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError>;
+
+    /// One run of the retention task over every tenant: messages created
+    /// before `cutoff` (when retention is on) and idempotency keys stored
+    /// before `keys_cutoff`. `None` when another replica is running it.
+    async fn retention_pass(
+        &self,
+        cutoff: Option<Timestamp>,
+        keys_cutoff: Timestamp,
+    ) -> Result<Option<RetentionReport>, StoreError>;
 
     /// A page of one user's history, oldest first (see `HistoryQuery`).
     async fn history_window(
@@ -156,6 +195,108 @@ pub trait Store: Send + Sync + 'static {
 
     /// Closes the pools, waiting for connections in use to come back.
     async fn close(&self);
+}
+
+/// What one retention run deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetentionReport {
+    pub messages: u64,
+    pub idempotency_keys: u64,
+}
+
+/// Users locked and purged per retention transaction.
+const PURGE_USERS_PER_BATCH: i64 = 100;
+/// Users cleared per `clear_all` transaction.
+const CLEAR_USERS_PER_BATCH: i64 = 100;
+/// Idempotency keys deleted per transaction.
+const KEYS_PER_BATCH: i64 = 1000;
+
+/// Every tenant that has a user row, by a loose index scan of the primary
+/// key of `chat_users` (one probe per tenant); the same SQL on both backends.
+const TENANTS: &str = r#"
+WITH RECURSIVE t(tenant) AS (
+    SELECT min(tenant) FROM chat_users
+    UNION ALL
+    SELECT (SELECT min(tenant) FROM chat_users WHERE tenant > t.tenant)
+    FROM t WHERE t.tenant IS NOT NULL
+)
+SELECT tenant FROM t WHERE tenant IS NOT NULL
+"#;
+
+/// The messages of an append as stored: consecutive `seq` from `first_seq`,
+/// one `created_at`, bodies as given.
+fn appended(
+    messages: &[NewMessage],
+    first_seq: i64,
+    created_at: Timestamp,
+    version: i64,
+) -> Result<Appended, StoreError> {
+    let messages = messages
+        .iter()
+        .zip(first_seq..)
+        .map(|(m, seq)| {
+            StoredMessage::new(seq, created_at, m.body().to_owned())
+                .map_err(|e| StoreError::Corrupt(e.to_string()))
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Appended { messages, version })
+}
+
+/// A page of the user listing from up to `limit + 1` rows of
+/// (user_id, message_count, newest_at), and whether more follow.
+fn users_page(
+    rows: Vec<(String, i64, Timestamp)>,
+    limit: u32,
+) -> Result<(Vec<UserSummary>, bool), StoreError> {
+    let has_more = rows.len() > limit as usize;
+    let users = rows
+        .into_iter()
+        .take(limit as usize)
+        .map(|(user_id, message_count, newest_at)| {
+            Ok(UserSummary {
+                user_id: UserId::parse(user_id).map_err(|e| StoreError::Corrupt(e.0))?,
+                message_count,
+                newest_at,
+            })
+        })
+        .collect::<Result<_, StoreError>>()?;
+    Ok((users, has_more))
+}
+
+/// A transcript from its rows of (version, message) in `seq` order; none
+/// without rows.
+fn transcript_from(rows: Vec<(i64, String)>) -> Result<Option<Transcript>, StoreError> {
+    let Some(version) = rows.first().map(|(version, _)| *version) else {
+        return Ok(None);
+    };
+    let messages = rows
+        .into_iter()
+        .map(|(_, body)| raw(body))
+        .collect::<Result<_, _>>()?;
+    Ok(Some(Transcript { messages, version }))
+}
+
+/// A stored body as a raw JSON value.
+fn raw(body: String) -> Result<Box<serde_json::value::RawValue>, StoreError> {
+    serde_json::value::RawValue::from_string(body).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+/// A stored digest as 16 bytes.
+fn digest(bytes: &[u8]) -> Result<[u8; 16], StoreError> {
+    bytes
+        .try_into()
+        .map_err(|_| StoreError::Corrupt(format!("a digest of {} bytes", bytes.len())))
+}
+
+/// The `Saved` answer once the common prefix `kept` of `stored` messages
+/// and `incoming` messages is known, before eviction.
+fn saved(version: i64, stored: usize, incoming: usize, kept: usize, evicted: u64) -> SaveOutcome {
+    SaveOutcome::Saved(crate::domain::Saved {
+        version,
+        kept: (kept as u64).saturating_sub(evicted),
+        appended: (incoming - kept) as u64,
+        removed: (stored - kept) as u64 + evicted,
+    })
 }
 
 /// Picks the backend from the URL scheme and opens its pools (lazily for

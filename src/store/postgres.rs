@@ -10,11 +10,21 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 
-use super::{assemble_page, latest_version, ConnectOptions, Store, StoreError};
-use crate::domain::{
-    Appended, HistoryPage, HistoryQuery, NewMessage, StoredMessage, Tenant, Timestamp, UserId,
-    UserStats, UserSummary,
+use super::{
+    appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
+    ConnectOptions, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    PURGE_USERS_PER_BATCH, TENANTS,
 };
+use crate::domain::{
+    transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
+    SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId, UserStats, UserSummary,
+};
+
+/// Messages deleted per retention transaction, at most.
+const PURGE_ROWS_PER_BATCH: i64 = 1000;
+
+/// The advisory lock that lets one replica at a time run retention.
+const RETENTION_LOCK: i64 = 0x6368_6174_6869_7374; // "chathist"
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
@@ -35,6 +45,148 @@ impl PostgresStore {
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
+
+    /// The single-statement append (see `APPEND`).
+    fn append_query<'q>(
+        &self,
+        tenant: &'q Tenant,
+        user: &'q UserId,
+        messages: &'q [NewMessage],
+        now: Timestamp,
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        let (bodies, digests) = columns(messages);
+        sqlx::query(APPEND)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(messages.len() as i64)
+            .bind(now.to_datetime())
+            .bind(bodies)
+            .bind(digests)
+    }
+
+    /// The fast path of a save that only adds messages to what the last
+    /// save stored: two round trips, no lock held between them. `None` when
+    /// it does not apply (or lost a race); the caller then takes the locked path.
+    async fn extend_transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        if_match: Option<&IfMatch>,
+        now: Timestamp,
+    ) -> Result<Option<SaveOutcome>, StoreError> {
+        let Some(row) = sqlx::query(
+            "SELECT version, message_count, transcript_digest FROM chat_users
+             WHERE tenant = $1 AND user_id = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .fetch_optional(&self.pool)
+        .await?
+        else {
+            return Ok(None);
+        };
+        let version: i64 = row.get("version");
+        let stored = row.get::<i64, _>("message_count") as usize;
+        let known: Option<Vec<u8>> = row.get("transcript_digest");
+        let extends = stored <= messages.len()
+            && (stored == 0
+                || known.as_deref() == Some(&transcript_digest(&messages[..stored])[..]));
+        let admitted = if_match.is_none_or(|c| c.admits(version, stored as i64));
+        if !extends || !admitted {
+            return Ok(None);
+        }
+        let new = &messages[stored..];
+        if new.is_empty() {
+            return Ok(Some(saved(version, stored, messages.len(), stored, 0)));
+        }
+        let (bodies, digests) = columns(new);
+        let version: Option<i64> = sqlx::query_scalar(EXTEND_IF_UNCHANGED)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(new.len() as i64)
+            .bind(now.to_datetime())
+            .bind(bodies)
+            .bind(digests)
+            .bind(&transcript_digest(messages)[..])
+            .bind(version)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(version.map(|version| saved(version, stored, messages.len(), stored, 0)))
+    }
+
+    async fn retention_work(
+        &self,
+        cutoff: Option<Timestamp>,
+        keys_cutoff: Timestamp,
+    ) -> Result<RetentionReport, StoreError> {
+        let mut report = RetentionReport::default();
+        if let Some(cutoff) = cutoff {
+            let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&self.pool).await?;
+            for tenant in tenants {
+                report.messages += self.purge_expired(&Tenant::new(tenant), cutoff).await?;
+            }
+        }
+        loop {
+            let deleted = sqlx::query(DELETE_OLD_KEYS)
+                .bind(keys_cutoff.to_datetime())
+                .bind(KEYS_PER_BATCH)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            report.idempotency_keys += deleted;
+            if deleted == 0 {
+                return Ok(report);
+            }
+        }
+    }
+}
+
+/// The digests of `messages` laid end to end, 16 bytes each.
+fn concatenated_digests(messages: &[NewMessage]) -> Vec<u8> {
+    messages.iter().flat_map(|m| m.digest()).collect()
+}
+
+/// The bodies and digests of `messages`, as two parallel arrays.
+fn columns(messages: &[NewMessage]) -> (Vec<&str>, Vec<Vec<u8>>) {
+    messages
+        .iter()
+        .map(|m| (m.body(), m.digest().to_vec()))
+        .unzip()
+}
+
+/// The answer of an append from the row `APPEND` returned.
+fn append_result(
+    messages: &[NewMessage],
+    row: &sqlx::postgres::PgRow,
+) -> Result<crate::domain::Appended, StoreError> {
+    let last_seq: i64 = row.get("last_seq");
+    appended(
+        messages,
+        last_seq - messages.len() as i64 + 1,
+        at(row.get("last_created_at")),
+        row.get("version"),
+    )
+}
+
+/// Deletes the user's `excess` oldest messages (if any) inside `tx`, whose
+/// first statement locked the user, and says how many went.
+async fn evict_oldest(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    tenant: &Tenant,
+    user: &UserId,
+    excess: i64,
+) -> Result<u64, StoreError> {
+    if excess <= 0 {
+        return Ok(0);
+    }
+    sqlx::query(EVICT_OLDEST)
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .bind(excess)
+        .execute(&mut **tx)
+        .await?;
+    Ok(excess as u64)
 }
 
 fn at(time: DateTime<Utc>) -> Timestamp {
@@ -50,17 +202,167 @@ WITH u AS (
         last_seq = u.last_seq + EXCLUDED.last_seq,
         version = u.version + 1,
         message_count = u.message_count + EXCLUDED.message_count,
+        transcript_digest = NULL,
         last_created_at = GREATEST(u.last_created_at, EXCLUDED.last_created_at),
         oldest_at = CASE WHEN u.message_count = 0
             THEN GREATEST(u.last_created_at, EXCLUDED.last_created_at)
             ELSE u.oldest_at END
     RETURNING u.last_seq, u.version, u.last_created_at, u.message_count
 ), inserted AS (
-    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message)
-    SELECT $1, $2, u.last_seq - $3 + m.ord, u.last_created_at, m.body
-    FROM u, unnest($5::text[]) WITH ORDINALITY AS m(body, ord)
+    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+    SELECT $1, $2, u.last_seq - $3 + m.ord, u.last_created_at, m.body, m.digest
+    FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
 )
 SELECT last_seq, version, last_created_at, message_count FROM u
+"#;
+
+/// Locks the user's row, creating it (version 0, no messages) if needed, and
+/// reads its counters: the first statement of every multi-step write.
+const LOCK_USER: &str = r#"
+INSERT INTO chat_users AS u (tenant, user_id, last_seq, version, message_count, last_created_at)
+VALUES ($1, $2, 0, 0, 0, $3)
+ON CONFLICT (tenant, user_id) DO UPDATE SET version = u.version
+RETURNING u.last_seq, u.version, u.message_count, u.last_created_at
+"#;
+
+/// The first stored message (its position from 1, and `seq`) that differs
+/// from the incoming transcript, whose digests are `$3` laid end to end and
+/// whose length is `$4`; none when the stored transcript is a prefix of it.
+macro_rules! first_difference {
+    () => {
+        r#"
+SELECT pos, seq FROM (
+    SELECT seq, digest, row_number() OVER (ORDER BY seq) AS pos
+    FROM chat_messages WHERE tenant = $1 AND user_id = $2) stored
+WHERE pos > $4 OR digest <> substring($3 FROM ((pos - 1) * 16 + 1)::int FOR 16)
+ORDER BY pos LIMIT 1
+"#
+    };
+}
+
+const FIRST_DIFFERENCE: &str = first_difference!();
+
+/// `LOCK_USER` and `FIRST_DIFFERENCE` in one round trip. The comparison
+/// reads the statement's snapshot, taken before the lock was granted; it
+/// stands only if that snapshot holds the version the lock returned (every
+/// write bumps it), which `snapshot_is_current` says.
+const LOCK_AND_COMPARE: &str = concat!(
+    r#"
+WITH locked AS (
+    INSERT INTO chat_users AS u (tenant, user_id, last_seq, version, message_count, last_created_at)
+    VALUES ($1, $2, 0, 0, 0, $5)
+    ON CONFLICT (tenant, user_id) DO UPDATE SET version = u.version
+    RETURNING u.last_seq, u.version, u.message_count, u.last_created_at
+), seen AS (
+    SELECT coalesce(
+        (SELECT version FROM chat_users WHERE tenant = $1 AND user_id = $2), 0) AS version
+), difference AS ("#,
+    first_difference!(),
+    r#")
+SELECT l.last_seq, l.version, l.message_count, l.last_created_at,
+       s.version = l.version AS snapshot_is_current,
+       d.pos AS differs_at, d.seq AS first_removed
+FROM locked l CROSS JOIN seen s LEFT JOIN difference d ON true
+"#
+);
+
+/// With the user locked: deletes from `seq` `$3` on, appends the new
+/// messages after `$4`, and sets the counters; returns the new version.
+const REPLACE_SUFFIX: &str = r#"
+WITH gone AS (
+    DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq >= $3
+), added AS (
+    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+    SELECT $1, $2, $4 + m.ord, $5, m.body, m.digest
+    FROM unnest($6::text[], $7::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
+)
+UPDATE chat_users SET
+    last_seq = last_seq + $8,
+    version = version + 1,
+    message_count = $9,
+    last_created_at = $5,
+    oldest_at = CASE WHEN $9 = 0 THEN NULL WHEN $10 THEN $5 ELSE oldest_at END,
+    transcript_digest = $11
+WHERE tenant = $1 AND user_id = $2
+RETURNING version
+"#;
+
+/// `APPEND` for a transcript save that only adds messages, done only if the
+/// user is still at version `$8` (checked again after any wait for its row):
+/// otherwise it changes nothing and returns no row.
+const EXTEND_IF_UNCHANGED: &str = r#"
+WITH u AS (
+    UPDATE chat_users u SET
+        last_seq = u.last_seq + $3,
+        version = u.version + 1,
+        message_count = u.message_count + $3,
+        last_created_at = GREATEST(u.last_created_at, $4),
+        oldest_at = CASE WHEN u.message_count = 0
+            THEN GREATEST(u.last_created_at, $4) ELSE u.oldest_at END,
+        transcript_digest = $7
+    WHERE u.tenant = $1 AND u.user_id = $2 AND u.version = $8
+    RETURNING u.last_seq, u.version, u.last_created_at
+), inserted AS (
+    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+    SELECT $1, $2, u.last_seq - $3 + m.ord, u.last_created_at, m.body, m.digest
+    FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
+)
+SELECT version FROM u
+"#;
+
+const TRANSCRIPT: &str = r#"
+SELECT u.version, m.message
+FROM chat_users u
+JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
+WHERE u.tenant = $1 AND u.user_id = $2
+ORDER BY m.seq
+"#;
+
+/// Locks, in key order, up to `$3` users of the tenant whose oldest message
+/// may be older than `$2`.
+const LOCK_EXPIRED_USERS: &str = r#"
+SELECT user_id FROM chat_users
+WHERE tenant = $1 AND user_id IN (
+    SELECT user_id FROM chat_users
+    WHERE tenant = $1 AND oldest_at < $2
+    ORDER BY oldest_at LIMIT $3)
+ORDER BY user_id
+FOR UPDATE
+"#;
+
+/// Deletes up to `$4` messages older than `$3` of the locked users `$2`
+/// and takes them off their counts.
+const DELETE_EXPIRED: &str = r#"
+WITH victims AS (
+    SELECT user_id, seq FROM chat_messages
+    WHERE tenant = $1 AND user_id = ANY($2) AND created_at < $3
+    LIMIT $4
+), gone AS (
+    DELETE FROM chat_messages m USING victims v
+    WHERE m.tenant = $1 AND m.user_id = v.user_id AND m.seq = v.seq
+    RETURNING m.user_id
+), counts AS (
+    SELECT user_id, count(*) AS n FROM gone GROUP BY user_id
+), updated AS (
+    UPDATE chat_users u SET message_count = u.message_count - c.n, version = u.version + 1,
+        transcript_digest = NULL
+    FROM counts c
+    WHERE u.tenant = $1 AND u.user_id = c.user_id
+    RETURNING c.n
+)
+SELECT coalesce(sum(n), 0)::bigint FROM updated
+"#;
+
+const REFRESH_OLDEST: &str = r#"
+UPDATE chat_users u SET oldest_at = (
+    SELECT created_at FROM chat_messages m
+    WHERE m.tenant = u.tenant AND m.user_id = u.user_id ORDER BY seq LIMIT 1)
+WHERE u.tenant = $1 AND u.user_id = ANY($2)
+"#;
+
+const DELETE_OLD_KEYS: &str = r#"
+DELETE FROM chat_idempotency WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM chat_idempotency WHERE stored_at < $1 LIMIT $2))
 "#;
 
 /// Deletes the user's `$3` oldest messages and takes them off the count.
@@ -73,7 +375,8 @@ WITH gone AS (
         ORDER BY seq LIMIT $3)
     RETURNING 1
 )
-UPDATE chat_users SET message_count = message_count - (SELECT count(*) FROM gone)
+UPDATE chat_users SET message_count = message_count - (SELECT count(*) FROM gone),
+    transcript_digest = NULL
 WHERE tenant = $1 AND user_id = $2
 "#;
 
@@ -152,48 +455,275 @@ impl Store for PostgresStore {
         messages: &[NewMessage],
         now: Timestamp,
         cap: Option<u64>,
-    ) -> Result<Appended, StoreError> {
-        let count = messages.len() as i64;
-        let bodies: Vec<&str> = messages.iter().map(NewMessage::body).collect();
-        let append = sqlx::query(APPEND)
+        idempotency: Option<&Idempotency>,
+    ) -> Result<AppendOutcome, StoreError> {
+        if cap.is_none() && idempotency.is_none() {
+            // The common case: one statement, one round trip.
+            let row = self
+                .append_query(tenant, user, messages, now)
+                .fetch_one(&self.pool)
+                .await?;
+            return Ok(AppendOutcome::Stored(append_result(messages, &row)?));
+        }
+        let mut tx = self.pool.begin().await?;
+        if let Some(key) = idempotency {
+            // Lock the user first: a concurrent request with the same key
+            // waits here, then finds the record this one leaves.
+            sqlx::query(LOCK_USER)
+                .bind(tenant.as_str())
+                .bind(user.as_str())
+                .bind(now.to_datetime())
+                .execute(&mut *tx)
+                .await?;
+            let seen = sqlx::query(
+                "SELECT request_digest, first_seq, created_at, version FROM chat_idempotency
+                 WHERE tenant = $1 AND user_id = $2 AND key = $3",
+            )
             .bind(tenant.as_str())
             .bind(user.as_str())
-            .bind(count)
-            .bind(now.to_datetime())
-            .bind(&bodies);
-        let row = match cap {
-            None => append.fetch_one(&self.pool).await?,
-            Some(cap) => {
-                let mut tx = self.pool.begin().await?;
-                let row = append.fetch_one(&mut *tx).await?;
-                let excess = row.get::<i64, _>("message_count") - cap as i64;
-                if excess > 0 {
-                    sqlx::query(EVICT_OLDEST)
-                        .bind(tenant.as_str())
-                        .bind(user.as_str())
-                        .bind(excess)
-                        .execute(&mut *tx)
-                        .await?;
-                }
+            .bind(key.key())
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(seen) = seen {
                 tx.commit().await?;
-                row
+                if digest(seen.get("request_digest"))? != key.request_digest() {
+                    return Ok(AppendOutcome::KeyReused);
+                }
+                return Ok(AppendOutcome::Replayed(appended(
+                    messages,
+                    seen.get("first_seq"),
+                    at(seen.get("created_at")),
+                    seen.get("version"),
+                )?));
             }
+        }
+        let row = self
+            .append_query(tenant, user, messages, now)
+            .fetch_one(&mut *tx)
+            .await?;
+        if let Some(cap) = cap {
+            evict_oldest(
+                &mut tx,
+                tenant,
+                user,
+                row.get::<i64, _>("message_count") - cap as i64,
+            )
+            .await?;
+        }
+        let result = append_result(messages, &row)?;
+        if let Some(key) = idempotency {
+            sqlx::query(
+                "INSERT INTO chat_idempotency
+                    (tenant, user_id, key, request_digest, first_seq, created_at, version, stored_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            )
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(key.key())
+            .bind(&key.request_digest()[..])
+            .bind(result.messages[0].seq)
+            .bind(result.messages[0].created_at.to_datetime())
+            .bind(result.version)
+            .bind(now.to_datetime())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(AppendOutcome::Stored(result))
+    }
+
+    async fn transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+    ) -> Result<Option<Transcript>, StoreError> {
+        let rows = sqlx::query(TRANSCRIPT)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .fetch_all(&self.pool)
+            .await?;
+        transcript_from(
+            rows.into_iter()
+                .map(|r| (r.get("version"), r.get("message")))
+                .collect(),
+        )
+    }
+
+    async fn save_transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        if_match: Option<&IfMatch>,
+        now: Timestamp,
+        cap: Option<u64>,
+    ) -> Result<SaveOutcome, StoreError> {
+        if cap.is_none_or(|cap| messages.len() as u64 <= cap) {
+            if let Some(outcome) = self
+                .extend_transcript(tenant, user, messages, if_match, now)
+                .await?
+            {
+                return Ok(outcome);
+            }
+        }
+        let incoming = concatenated_digests(messages);
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(LOCK_AND_COMPARE)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(&incoming)
+            .bind(messages.len() as i64)
+            .bind(now.to_datetime())
+            .fetch_one(&mut *tx)
+            .await?;
+        let version: i64 = row.get("version");
+        let stored = row.get::<i64, _>("message_count") as usize;
+        if let Some(condition) = if_match {
+            if !condition.admits(version, stored as i64) {
+                tx.rollback().await?;
+                return Ok(SaveOutcome::PreconditionFailed {
+                    current_version: version,
+                });
+            }
+        }
+        let difference: Option<(i64, i64)> = if row.get("snapshot_is_current") {
+            row.get::<Option<i64>, _>("differs_at")
+                .map(|pos| (pos, row.get("first_removed")))
+        } else {
+            // Another write committed while this one waited for the lock:
+            // compare again, now that the lock is held.
+            sqlx::query_as(FIRST_DIFFERENCE)
+                .bind(tenant.as_str())
+                .bind(user.as_str())
+                .bind(&incoming)
+                .bind(messages.len() as i64)
+                .fetch_optional(&mut *tx)
+                .await?
         };
-        let last_seq: i64 = row.get("last_seq");
-        let created_at = at(row.get("last_created_at"));
-        let first_seq = last_seq - count + 1;
-        let messages = messages
-            .iter()
-            .zip(first_seq..)
-            .map(|(m, seq)| {
-                StoredMessage::new(seq, created_at, m.body().to_owned())
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Appended {
-            messages,
-            version: row.get("version"),
-        })
+        let kept = difference.map_or(stored, |(pos, _)| pos as usize - 1);
+        let new = &messages[kept..];
+        if kept == stored && new.is_empty() {
+            tx.rollback().await?;
+            return Ok(saved(version, stored, messages.len(), kept, 0));
+        }
+        let (bodies, digests) = columns(new);
+        let created_at = now.max(at(row.get("last_created_at")));
+        let version: i64 = sqlx::query_scalar(REPLACE_SUFFIX)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(difference.map_or(i64::MAX, |(_, seq)| seq))
+            .bind(row.get::<i64, _>("last_seq"))
+            .bind(created_at.to_datetime())
+            .bind(bodies)
+            .bind(digests)
+            .bind(new.len() as i64)
+            .bind(messages.len() as i64)
+            .bind(kept == 0)
+            .bind(&transcript_digest(messages)[..])
+            .fetch_one(&mut *tx)
+            .await?;
+        let evicted = match cap {
+            Some(cap) => {
+                evict_oldest(&mut tx, tenant, user, messages.len() as i64 - cap as i64).await?
+            }
+            None => 0,
+        };
+        tx.commit().await?;
+        Ok(saved(version, stored, messages.len(), kept, evicted))
+    }
+
+    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let users: Vec<String> = sqlx::query_scalar(LOCK_EXPIRED_USERS)
+                .bind(tenant.as_str())
+                .bind(cutoff.to_datetime())
+                .bind(PURGE_USERS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let deleted: i64 = sqlx::query_scalar(DELETE_EXPIRED)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .bind(cutoff.to_datetime())
+                .bind(PURGE_ROWS_PER_BATCH)
+                .fetch_one(&mut *tx)
+                .await?;
+            sqlx::query(REFRESH_OLDEST)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            total += deleted as u64;
+        }
+    }
+
+    async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.pool.begin().await?;
+            let users: Vec<String> = sqlx::query_scalar(
+                "SELECT user_id FROM chat_users WHERE tenant = $1 AND message_count > 0
+                 ORDER BY user_id LIMIT $2 FOR UPDATE",
+            )
+            .bind(tenant.as_str())
+            .bind(CLEAR_USERS_PER_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            total +=
+                sqlx::query("DELETE FROM chat_messages WHERE tenant = $1 AND user_id = ANY($2)")
+                    .bind(tenant.as_str())
+                    .bind(&users)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            sqlx::query(
+                "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
+                     transcript_digest = NULL
+                 WHERE tenant = $1 AND user_id = ANY($2)",
+            )
+            .bind(tenant.as_str())
+            .bind(&users)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+        }
+    }
+
+    async fn retention_pass(
+        &self,
+        cutoff: Option<Timestamp>,
+        keys_cutoff: Timestamp,
+    ) -> Result<Option<RetentionReport>, StoreError> {
+        // A session-level advisory lock, held on one connection for the
+        // whole run; it dies with the session if this process does.
+        let mut lock = self.pool.acquire().await?;
+        let acquired: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+            .bind(RETENTION_LOCK)
+            .fetch_one(&mut *lock)
+            .await?;
+        if !acquired {
+            return Ok(None);
+        }
+        let report = self.retention_work(cutoff, keys_cutoff).await;
+        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(RETENTION_LOCK)
+            .execute(&mut *lock)
+            .await;
+        if unlocked.is_err() {
+            // Never hand a connection that may still hold the lock back to the pool.
+            let _ = lock.close().await;
+        }
+        report.map(Some)
     }
 
     async fn history_window(
@@ -276,7 +806,8 @@ impl Store for PostgresStore {
             "WITH gone AS (
                 DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq = $3
                 RETURNING 1)
-             UPDATE chat_users SET message_count = message_count - 1, version = version + 1
+             UPDATE chat_users SET message_count = message_count - 1, version = version + 1,
+                 transcript_digest = NULL
              WHERE tenant = $1 AND user_id = $2 AND EXISTS (SELECT 1 FROM gone)",
         )
         .bind(tenant.as_str())
@@ -312,7 +843,8 @@ impl Store for PostgresStore {
     async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
         let mut tx = self.pool.begin().await?;
         let had_messages = sqlx::query(
-            "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL
+            "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
+                     transcript_digest = NULL
              WHERE tenant = $1 AND user_id = $2 AND message_count > 0",
         )
         .bind(tenant.as_str())
@@ -345,21 +877,17 @@ impl Store for PostgresStore {
             .bind(i64::from(limit) + 1)
             .fetch_all(&self.pool)
             .await?;
-        let has_more = rows.len() > limit as usize;
-        let users = rows
+        let rows = rows
             .into_iter()
-            .take(limit as usize)
             .map(|r| {
-                let user_id = UserId::parse(r.get::<String, _>("user_id"))
-                    .map_err(|e| StoreError::Corrupt(e.0))?;
-                Ok(UserSummary {
-                    user_id,
-                    message_count: r.get("message_count"),
-                    newest_at: at(r.get("newest_at")),
-                })
+                (
+                    r.get("user_id"),
+                    r.get("message_count"),
+                    at(r.get("newest_at")),
+                )
             })
-            .collect::<Result<_, StoreError>>()?;
-        Ok((users, has_more))
+            .collect();
+        users_page(rows, limit)
     }
 
     async fn close(&self) {

@@ -13,13 +13,25 @@ use sqlx::sqlite::{
 };
 use sqlx::Row;
 
-use super::{assemble_page, latest_version, ConnectOptions, Store, StoreError};
+use std::collections::BTreeMap;
+
+use sqlx::{Sqlite, Transaction};
+
+use super::{
+    appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
+    ConnectOptions, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    PURGE_USERS_PER_BATCH, TENANTS,
+};
 use crate::domain::{
-    Appended, HistoryPage, HistoryQuery, NewMessage, StoredMessage, Tenant, Timestamp, UserId,
-    UserStats, UserSummary,
+    transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
+    SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId, UserStats, UserSummary,
 };
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
+
+/// Messages deleted per retention transaction, at most. Appends wait for the
+/// single writer while a batch runs, so batches are kept short.
+const PURGE_ROWS_PER_BATCH: i64 = 200;
 
 /// Rows per INSERT statement: 3 bound values each, well under SQLite's
 /// limit of 32,766 bound values per statement.
@@ -63,11 +75,72 @@ ON CONFLICT (tenant, user_id) DO UPDATE SET
     last_seq = last_seq + excluded.last_seq,
     version = version + 1,
     message_count = message_count + excluded.message_count,
+    transcript_digest = NULL,
     last_created_at = max(last_created_at, excluded.last_created_at),
     oldest_at = CASE WHEN message_count = 0
         THEN max(last_created_at, excluded.last_created_at)
         ELSE oldest_at END
 RETURNING last_seq, version, last_created_at, message_count
+"#;
+
+/// Creates the user's row if needed and reads its counters; the writer
+/// connection is already exclusive, so this is what the Postgres lock is.
+const LOCK_USER: &str = r#"
+INSERT INTO chat_users (tenant, user_id, last_seq, version, message_count, last_created_at)
+VALUES (?1, ?2, 0, 0, 0, ?3)
+ON CONFLICT (tenant, user_id) DO UPDATE SET version = version
+RETURNING last_seq, version, message_count, last_created_at, transcript_digest
+"#;
+
+const FINISH_SAVE: &str = r#"
+UPDATE chat_users SET
+    last_seq = last_seq + ?3,
+    version = version + 1,
+    message_count = ?4,
+    last_created_at = ?5,
+    oldest_at = (SELECT created_at FROM chat_messages m
+                 WHERE m.tenant = chat_users.tenant AND m.user_id = chat_users.user_id
+                 ORDER BY seq LIMIT 1),
+    transcript_digest = ?6
+WHERE tenant = ?1 AND user_id = ?2
+RETURNING version
+"#;
+
+/// The first stored message (position from 1, and `seq`) that differs from
+/// the incoming transcript, whose digests are `?3` laid end to end and whose
+/// length is `?4`; none when the stored transcript is a prefix of it.
+const FIRST_DIFFERENCE: &str = r#"
+SELECT pos, seq FROM (
+    SELECT seq, digest, row_number() OVER (ORDER BY seq) AS pos
+    FROM chat_messages WHERE tenant = ?1 AND user_id = ?2)
+WHERE pos > ?4 OR digest IS NOT substr(?3, (pos - 1) * 16 + 1, 16)
+ORDER BY pos LIMIT 1
+"#;
+
+const TRANSCRIPT: &str = r#"
+SELECT u.version, m.message
+FROM chat_users u
+JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
+WHERE u.tenant = ?1 AND u.user_id = ?2
+ORDER BY m.seq
+"#;
+
+/// Deletes up to `?4` messages older than `?3` of the users in the JSON
+/// array `?2`, naming the user of each.
+const DELETE_EXPIRED: &str = r#"
+DELETE FROM chat_messages WHERE rowid IN (
+    SELECT rowid FROM chat_messages
+    WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2)) AND created_at < ?3
+    LIMIT ?4)
+RETURNING user_id
+"#;
+
+const REFRESH_OLDEST: &str = r#"
+UPDATE chat_users SET oldest_at = (
+    SELECT created_at FROM chat_messages m
+    WHERE m.tenant = chat_users.tenant AND m.user_id = chat_users.user_id
+    ORDER BY seq LIMIT 1)
+WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2))
 "#;
 
 const EVICT_OLDEST: &str = r#"
@@ -126,19 +199,81 @@ ORDER BY u.user_id LIMIT ?3
 "#;
 
 /// `INSERT … VALUES` for `rows` messages of one user: ?1 tenant, ?2 user_id,
-/// ?3 created_at, then seq and message for each row.
+/// ?3 created_at, then seq, message and digest for each row.
 fn insert_messages_sql(rows: usize) -> String {
     let mut sql = String::from(
-        "INSERT INTO chat_messages (tenant, user_id, seq, created_at, message) VALUES ",
+        "INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest) VALUES ",
     );
     for i in 0..rows {
-        let p = 4 + 2 * i;
+        let p = 4 + 3 * i;
         if i > 0 {
             sql.push(',');
         }
-        sql.push_str(&format!("(?1, ?2, ?{p}, ?3, ?{})", p + 1));
+        sql.push_str(&format!("(?1, ?2, ?{p}, ?3, ?{}, ?{})", p + 1, p + 2));
     }
     sql
+}
+
+/// Inserts `messages` with consecutive `seq` from `first_seq`.
+async fn insert_messages(
+    tx: &mut Transaction<'_, Sqlite>,
+    tenant: &Tenant,
+    user: &UserId,
+    first_seq: i64,
+    created_at: i64,
+    messages: &[NewMessage],
+) -> Result<(), StoreError> {
+    for (chunk_index, chunk) in messages.chunks(INSERT_CHUNK).enumerate() {
+        let sql = insert_messages_sql(chunk.len());
+        let mut insert = sqlx::query(&sql)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(created_at);
+        let chunk_first = first_seq + (chunk_index * INSERT_CHUNK) as i64;
+        for (message, seq) in chunk.iter().zip(chunk_first..) {
+            insert = insert
+                .bind(seq)
+                .bind(message.body())
+                .bind(message.digest().to_vec());
+        }
+        insert.execute(&mut **tx).await?;
+    }
+    Ok(())
+}
+
+/// Deletes the user's `excess` oldest messages (if any) and takes them off
+/// the count; says how many went.
+async fn evict_oldest(
+    tx: &mut Transaction<'_, Sqlite>,
+    tenant: &Tenant,
+    user: &UserId,
+    excess: i64,
+) -> Result<u64, StoreError> {
+    if excess <= 0 {
+        return Ok(0);
+    }
+    let evicted = sqlx::query(EVICT_OLDEST)
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .bind(excess)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected();
+    sqlx::query(
+        "UPDATE chat_users SET message_count = message_count - ?3, transcript_digest = NULL
+         WHERE tenant = ?1 AND user_id = ?2",
+    )
+    .bind(tenant.as_str())
+    .bind(user.as_str())
+    .bind(evicted as i64)
+    .execute(&mut **tx)
+    .await?;
+    Ok(evicted)
+}
+
+/// Names as a JSON array, for `json_each` (SQLite has no array binds).
+fn json_list(names: &[String]) -> String {
+    serde_json::to_string(names).unwrap_or_else(|_| "[]".into())
 }
 
 #[async_trait]
@@ -172,9 +307,33 @@ impl Store for SqliteStore {
         messages: &[NewMessage],
         now: Timestamp,
         cap: Option<u64>,
-    ) -> Result<Appended, StoreError> {
+        idempotency: Option<&Idempotency>,
+    ) -> Result<AppendOutcome, StoreError> {
         let count = messages.len() as i64;
         let mut tx = self.writer.begin().await?;
+        if let Some(key) = idempotency {
+            let seen = sqlx::query(
+                "SELECT request_digest, first_seq, created_at, version FROM chat_idempotency
+                 WHERE tenant = ?1 AND user_id = ?2 AND key = ?3",
+            )
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(key.key())
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(seen) = seen {
+                tx.commit().await?;
+                if digest(seen.get("request_digest"))? != key.request_digest() {
+                    return Ok(AppendOutcome::KeyReused);
+                }
+                return Ok(AppendOutcome::Replayed(appended(
+                    messages,
+                    seen.get("first_seq"),
+                    at(seen.get("created_at")),
+                    seen.get("version"),
+                )?));
+            }
+        }
         let row = sqlx::query(UPSERT_USER)
             .bind(tenant.as_str())
             .bind(user.as_str())
@@ -185,52 +344,259 @@ impl Store for SqliteStore {
         let last_seq: i64 = row.get("last_seq");
         let created_at: i64 = row.get("last_created_at");
         let first_seq = last_seq - count + 1;
-        for (chunk_index, chunk) in messages.chunks(INSERT_CHUNK).enumerate() {
-            let sql = insert_messages_sql(chunk.len());
-            let mut insert = sqlx::query(&sql)
+        insert_messages(&mut tx, tenant, user, first_seq, created_at, messages).await?;
+        if let Some(cap) = cap {
+            evict_oldest(
+                &mut tx,
+                tenant,
+                user,
+                row.get::<i64, _>("message_count") - cap as i64,
+            )
+            .await?;
+        }
+        let version: i64 = row.get("version");
+        if let Some(key) = idempotency {
+            sqlx::query(
+                "INSERT INTO chat_idempotency
+                    (tenant, user_id, key, request_digest, first_seq, created_at, version, stored_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+            )
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(key.key())
+            .bind(key.request_digest().to_vec())
+            .bind(first_seq)
+            .bind(created_at)
+            .bind(version)
+            .bind(now.as_micros())
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(AppendOutcome::Stored(appended(
+            messages,
+            first_seq,
+            at(created_at),
+            version,
+        )?))
+    }
+
+    async fn transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+    ) -> Result<Option<Transcript>, StoreError> {
+        let rows = sqlx::query(TRANSCRIPT)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .fetch_all(&self.reader)
+            .await?;
+        transcript_from(
+            rows.into_iter()
+                .map(|r| (r.get("version"), r.get("message")))
+                .collect(),
+        )
+    }
+
+    async fn save_transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        if_match: Option<&IfMatch>,
+        now: Timestamp,
+        cap: Option<u64>,
+    ) -> Result<SaveOutcome, StoreError> {
+        let mut tx = self.writer.begin().await?;
+        let counters = sqlx::query(LOCK_USER)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(now.as_micros())
+            .fetch_one(&mut *tx)
+            .await?;
+        let version: i64 = counters.get("version");
+        if let Some(condition) = if_match {
+            if !condition.admits(version, counters.get("message_count")) {
+                tx.rollback().await?;
+                return Ok(SaveOutcome::PreconditionFailed {
+                    current_version: version,
+                });
+            }
+        }
+        let stored = counters.get::<i64, _>("message_count") as usize;
+        let known: Option<Vec<u8>> = counters.get("transcript_digest");
+        let extends = stored <= messages.len()
+            && (stored == 0
+                || known.as_deref() == Some(&transcript_digest(&messages[..stored])[..]));
+        let difference: Option<(i64, i64)> = if extends {
+            // What the last save stored is a prefix of this transcript.
+            None
+        } else {
+            let incoming: Vec<u8> = messages.iter().flat_map(|m| m.digest()).collect();
+            sqlx::query_as(FIRST_DIFFERENCE)
                 .bind(tenant.as_str())
                 .bind(user.as_str())
-                .bind(created_at);
-            let chunk_first = first_seq + (chunk_index * INSERT_CHUNK) as i64;
-            for (message, seq) in chunk.iter().zip(chunk_first..) {
-                insert = insert.bind(seq).bind(message.body());
-            }
-            insert.execute(&mut *tx).await?;
+                .bind(incoming)
+                .bind(messages.len() as i64)
+                .fetch_optional(&mut *tx)
+                .await?
+        };
+        let kept = difference.map_or(stored, |(pos, _)| pos as usize - 1);
+        if kept == stored && kept == messages.len() {
+            tx.rollback().await?;
+            return Ok(saved(version, stored, messages.len(), kept, 0));
         }
-        if let Some(cap) = cap {
-            let excess = row.get::<i64, _>("message_count") - cap as i64;
-            if excess > 0 {
-                let evicted = sqlx::query(EVICT_OLDEST)
-                    .bind(tenant.as_str())
-                    .bind(user.as_str())
-                    .bind(excess)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
+        if let Some((_, first_removed)) = difference {
+            sqlx::query(
+                "DELETE FROM chat_messages WHERE tenant = ?1 AND user_id = ?2 AND seq >= ?3",
+            )
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(first_removed)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let new = &messages[kept..];
+        let created_at = now.as_micros().max(counters.get("last_created_at"));
+        let last_seq: i64 = counters.get("last_seq");
+        insert_messages(&mut tx, tenant, user, last_seq + 1, created_at, new).await?;
+        let version: i64 = sqlx::query_scalar(FINISH_SAVE)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(new.len() as i64)
+            .bind(messages.len() as i64)
+            .bind(created_at)
+            .bind(transcript_digest(messages).to_vec())
+            .fetch_one(&mut *tx)
+            .await?;
+        let evicted = match cap {
+            Some(cap) => {
+                evict_oldest(&mut tx, tenant, user, messages.len() as i64 - cap as i64).await?
+            }
+            None => 0,
+        };
+        tx.commit().await?;
+        Ok(saved(version, stored, messages.len(), kept, evicted))
+    }
+
+    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.writer.begin().await?;
+            let users: Vec<String> = sqlx::query_scalar(
+                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND oldest_at < ?2
+                 ORDER BY oldest_at LIMIT ?3",
+            )
+            .bind(tenant.as_str())
+            .bind(cutoff.as_micros())
+            .bind(PURGE_USERS_PER_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let users = json_list(&users);
+            let gone: Vec<String> = sqlx::query_scalar(DELETE_EXPIRED)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .bind(cutoff.as_micros())
+                .bind(PURGE_ROWS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut per_user: BTreeMap<String, i64> = BTreeMap::new();
+            for user in gone {
+                *per_user.entry(user).or_default() += 1;
+                total += 1;
+            }
+            for (user, deleted) in per_user {
                 sqlx::query(
-                    "UPDATE chat_users SET message_count = message_count - ?3
+                    "UPDATE chat_users SET message_count = message_count - ?3, version = version + 1,
+                     transcript_digest = NULL
                      WHERE tenant = ?1 AND user_id = ?2",
                 )
                 .bind(tenant.as_str())
-                .bind(user.as_str())
-                .bind(evicted as i64)
+                .bind(user)
+                .bind(deleted)
                 .execute(&mut *tx)
                 .await?;
             }
+            sqlx::query(REFRESH_OLDEST)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
         }
-        tx.commit().await?;
-        let messages = messages
-            .iter()
-            .zip(first_seq..)
-            .map(|(m, seq)| {
-                StoredMessage::new(seq, at(created_at), m.body().to_owned())
-                    .map_err(|e| StoreError::Corrupt(e.to_string()))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Appended {
-            messages,
-            version: row.get("version"),
-        })
+    }
+
+    async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.writer.begin().await?;
+            let users: Vec<String> = sqlx::query_scalar(
+                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND message_count > 0
+                 ORDER BY user_id LIMIT ?2",
+            )
+            .bind(tenant.as_str())
+            .bind(CLEAR_USERS_PER_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let users = json_list(&users);
+            total += sqlx::query(
+                "DELETE FROM chat_messages
+                 WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2))",
+            )
+            .bind(tenant.as_str())
+            .bind(&users)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            sqlx::query(
+                "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
+                 transcript_digest = NULL
+                 WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2))",
+            )
+            .bind(tenant.as_str())
+            .bind(&users)
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+        }
+    }
+
+    /// SQLite is one process's file, so no lock between replicas is needed.
+    async fn retention_pass(
+        &self,
+        cutoff: Option<Timestamp>,
+        keys_cutoff: Timestamp,
+    ) -> Result<Option<RetentionReport>, StoreError> {
+        let mut report = RetentionReport::default();
+        if let Some(cutoff) = cutoff {
+            let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&self.reader).await?;
+            for tenant in tenants {
+                report.messages += self.purge_expired(&Tenant::new(tenant), cutoff).await?;
+            }
+        }
+        loop {
+            let deleted = sqlx::query(
+                "DELETE FROM chat_idempotency WHERE rowid IN (
+                    SELECT rowid FROM chat_idempotency WHERE stored_at < ?1 LIMIT ?2)",
+            )
+            .bind(keys_cutoff.as_micros())
+            .bind(KEYS_PER_BATCH)
+            .execute(&self.writer)
+            .await?
+            .rows_affected();
+            report.idempotency_keys += deleted;
+            if deleted == 0 {
+                return Ok(Some(report));
+            }
+        }
     }
 
     async fn history_window(
@@ -324,7 +690,8 @@ impl Store for SqliteStore {
             return Ok(false);
         }
         sqlx::query(
-            "UPDATE chat_users SET message_count = message_count - 1, version = version + 1
+            "UPDATE chat_users SET message_count = message_count - 1, version = version + 1,
+             transcript_digest = NULL
              WHERE tenant = ?1 AND user_id = ?2",
         )
         .bind(tenant.as_str())
@@ -367,7 +734,8 @@ impl Store for SqliteStore {
             return Ok(0);
         }
         sqlx::query(
-            "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL
+            "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
+                 transcript_digest = NULL
              WHERE tenant = ?1 AND user_id = ?2",
         )
         .bind(tenant.as_str())
@@ -390,21 +758,17 @@ impl Store for SqliteStore {
             .bind(i64::from(limit) + 1)
             .fetch_all(&self.reader)
             .await?;
-        let has_more = rows.len() > limit as usize;
-        let users = rows
+        let rows = rows
             .into_iter()
-            .take(limit as usize)
             .map(|r| {
-                let user_id = UserId::parse(r.get::<String, _>("user_id"))
-                    .map_err(|e| StoreError::Corrupt(e.0))?;
-                Ok(UserSummary {
-                    user_id,
-                    message_count: r.get("message_count"),
-                    newest_at: at(r.get("newest_at")),
-                })
+                (
+                    r.get("user_id"),
+                    r.get("message_count"),
+                    at(r.get("newest_at")),
+                )
             })
-            .collect::<Result<_, StoreError>>()?;
-        Ok((users, has_more))
+            .collect();
+        users_page(rows, limit)
     }
 
     async fn close(&self) {

@@ -3,5 +3,8 @@
 
 mod concurrency;
 mod http;
+mod lifecycle;
+mod shutdown;
 mod store_suite;
 mod support;
+mod transcripts;

@@ -1,6 +1,8 @@
 //! The behaviour of `Store`, written once and run on Postgres and SQLite.
 
-use chat_history::domain::{HistoryQuery, NewMessage, Tenant, Timestamp, UserId};
+use chat_history::domain::{
+    AppendOutcome, Appended, HistoryQuery, NewMessage, Tenant, Timestamp, UserId,
+};
 use chat_history::store::{Store, StoreError};
 use serde_json::{json, Value};
 
@@ -48,21 +50,39 @@ fn text(n: usize) -> Vec<NewMessage> {
     msgs(&values)
 }
 
-async fn append_at(store: &dyn Store, id: &str, n: usize, at_micros: i64) -> Vec<i64> {
-    store
-        .append_messages(
-            &tenant(),
-            &user(id),
-            &text(n),
-            Timestamp::from_micros(at_micros),
-            None,
-        )
+/// Appends without an idempotency key; the outcome must be `Stored`.
+async fn append(
+    store: &dyn Store,
+    tenant: &Tenant,
+    user: &UserId,
+    messages: &[NewMessage],
+    at: Timestamp,
+    cap: Option<u64>,
+) -> Appended {
+    match store
+        .append_messages(tenant, user, messages, at, cap, None)
         .await
         .unwrap()
-        .messages
-        .iter()
-        .map(|m| m.seq)
-        .collect()
+    {
+        AppendOutcome::Stored(appended) => appended,
+        other => panic!("expected Stored, got {other:?}"),
+    }
+}
+
+async fn append_at(store: &dyn Store, id: &str, n: usize, at_micros: i64) -> Vec<i64> {
+    append(
+        store,
+        &tenant(),
+        &user(id),
+        &text(n),
+        Timestamp::from_micros(at_micros),
+        None,
+    )
+    .await
+    .messages
+    .iter()
+    .map(|m| m.seq)
+    .collect()
 }
 
 fn seqs(page: &chat_history::domain::HistoryPage) -> Vec<i64> {
@@ -81,31 +101,29 @@ fn window(limit: u32) -> HistoryQuery {
 async fn append_allocates_seq_from_one_and_bumps_version(backend: Backend) {
     let db = TestDb::new(backend).await;
     let store = db.store().await;
-    let first = store
-        .append_messages(
-            &tenant(),
-            &user("u"),
-            &text(3),
-            Timestamp::from_micros(T0),
-            None,
-        )
-        .await
-        .unwrap();
+    let first = append(
+        &*store,
+        &tenant(),
+        &user("u"),
+        &text(3),
+        Timestamp::from_micros(T0),
+        None,
+    )
+    .await;
     assert_eq!(
         first.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
         [1, 2, 3]
     );
     assert_eq!(first.version, 1);
-    let second = store
-        .append_messages(
-            &tenant(),
-            &user("u"),
-            &text(2),
-            Timestamp::from_micros(T0 + 1),
-            None,
-        )
-        .await
-        .unwrap();
+    let second = append(
+        &*store,
+        &tenant(),
+        &user("u"),
+        &text(2),
+        Timestamp::from_micros(T0 + 1),
+        None,
+    )
+    .await;
     assert_eq!(
         second.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
         [4, 5]
@@ -137,16 +155,15 @@ async fn messages_come_back_as_the_same_json_values(backend: Backend) {
     .iter()
     .map(|s| serde_json::from_str(s).unwrap())
     .collect();
-    store
-        .append_messages(
-            &tenant(),
-            &user("u"),
-            &msgs(&written),
-            Timestamp::from_micros(T0),
-            None,
-        )
-        .await
-        .unwrap();
+    append(
+        &*store,
+        &tenant(),
+        &user("u"),
+        &msgs(&written),
+        Timestamp::from_micros(T0),
+        None,
+    )
+    .await;
     let page = store
         .history_window(&tenant(), &user("u"), window(10))
         .await
@@ -331,16 +348,15 @@ async fn seq_and_version_never_repeat_after_a_clear(backend: Backend) {
         .unwrap()
         .is_none());
     assert_eq!(store.clear_user(&tenant(), &user("u")).await.unwrap(), 0);
-    let again = store
-        .append_messages(
-            &tenant(),
-            &user("u"),
-            &text(2),
-            Timestamp::from_micros(T0 + 1),
-            None,
-        )
-        .await
-        .unwrap();
+    let again = append(
+        &*store,
+        &tenant(),
+        &user("u"),
+        &text(2),
+        Timestamp::from_micros(T0 + 1),
+        None,
+    )
+    .await;
     assert_eq!(
         again.messages.iter().map(|m| m.seq).collect::<Vec<_>>(),
         [4, 5]
@@ -410,16 +426,15 @@ async fn created_at_never_goes_backwards(backend: Backend) {
     let store = db.store().await;
     append_at(&*store, "u", 1, T0).await;
     // A replica with a slower clock appends next.
-    let late = store
-        .append_messages(
-            &tenant(),
-            &user("u"),
-            &text(1),
-            Timestamp::from_micros(T0 - 5_000_000),
-            None,
-        )
-        .await
-        .unwrap();
+    let late = append(
+        &*store,
+        &tenant(),
+        &user("u"),
+        &text(1),
+        Timestamp::from_micros(T0 - 5_000_000),
+        None,
+    )
+    .await;
     assert_eq!(late.messages[0].created_at, Timestamp::from_micros(T0));
     let page = store
         .history_window(&tenant(), &user("u"), window(10))
@@ -459,14 +474,24 @@ async fn tenants_are_separate_histories(backend: Backend) {
     let db = TestDb::new(backend).await;
     let store = db.store().await;
     let (a, b) = (Tenant::new("a"), Tenant::new("b"));
-    store
-        .append_messages(&a, &user("u"), &text(2), Timestamp::from_micros(T0), None)
-        .await
-        .unwrap();
-    let in_b = store
-        .append_messages(&b, &user("u"), &text(1), Timestamp::from_micros(T0), None)
-        .await
-        .unwrap();
+    append(
+        &*store,
+        &a,
+        &user("u"),
+        &text(2),
+        Timestamp::from_micros(T0),
+        None,
+    )
+    .await;
+    let in_b = append(
+        &*store,
+        &b,
+        &user("u"),
+        &text(1),
+        Timestamp::from_micros(T0),
+        None,
+    )
+    .await;
     assert_eq!(in_b.messages[0].seq, 1);
     assert_eq!(store.clear_user(&b, &user("u")).await.unwrap(), 1);
     let stats = store.user_stats(&a, &user("u")).await.unwrap().unwrap();
@@ -486,16 +511,15 @@ async fn cap_evicts_the_oldest_even_from_the_same_batch(backend: Backend) {
     let append = |n: usize| {
         let store = store.clone();
         async move {
-            store
-                .append_messages(
-                    &tenant(),
-                    &user("u"),
-                    &text(n),
-                    Timestamp::from_micros(T0),
-                    cap,
-                )
-                .await
-                .unwrap()
+            append(
+                &*store,
+                &tenant(),
+                &user("u"),
+                &text(n),
+                Timestamp::from_micros(T0),
+                cap,
+            )
+            .await
         }
     };
     append(2).await;

@@ -175,8 +175,8 @@ async fn drop_stale_databases(conn: &mut sqlx::PgConnection) {
 pub struct TestApp {
     pub router: Router,
     pub store: Arc<dyn Store>,
-    /// Kept so the database lives as long as the app.
-    _db: TestDb,
+    /// The app's database, dropped with it.
+    db: TestDb,
 }
 
 impl TestApp {
@@ -191,11 +191,12 @@ impl TestApp {
             store: store.clone(),
             limits,
         });
-        Self {
-            router,
-            store,
-            _db: db,
-        }
+        Self { router, store, db }
+    }
+
+    /// The URL of this app's database.
+    pub fn db_url(&self) -> String {
+        self.db.url.clone()
     }
 
     pub async fn send(&self, request: Request<Body>) -> Reply {

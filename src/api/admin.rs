@@ -1,0 +1,77 @@
+//! `/v1/admin`: deleting in bulk, always within the caller's tenant.
+
+use axum::extract::State;
+use axum::Json;
+use serde_json::Value;
+
+use super::extract::JsonBody;
+use super::schema::{ClearAllRequest, DeletedResponse, PurgeExpiredRequest};
+use super::AppState;
+use crate::domain::{Tenant, Timestamp};
+use crate::error::{ApiError, Problem};
+
+/// Delete every message older than `max_age` seconds, for all users.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/purge-expired",
+    operation_id = "purgeExpired",
+    tag = "admin",
+    request_body(content = PurgeExpiredRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Deleted", body = DeletedResponse),
+        (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "`max_age` missing, not a whole number, or below 1", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn purge_expired(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    JsonBody(body): JsonBody,
+) -> Result<Json<DeletedResponse>, ApiError> {
+    let max_age = match body.get("max_age") {
+        Some(Value::Number(n)) => n.as_u64().filter(|seconds| *seconds >= 1),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        ApiError::Unprocessable(
+            "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
+        )
+    })?;
+    let cutoff = Timestamp::now().minus_seconds(max_age);
+    let deleted = state.store.purge_expired(&tenant, cutoff).await?;
+    Ok(Json(DeletedResponse { deleted }))
+}
+
+/// Delete every message of every user.
+#[utoipa::path(
+    post,
+    path = "/v1/admin/clear-all",
+    operation_id = "clearAll",
+    tag = "admin",
+    request_body(content = ClearAllRequest, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Deleted", body = DeletedResponse),
+        (status = 400, description = "Malformed JSON, or `confirm` is not `true`", body = Problem, content_type = "application/problem+json"),
+        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
+        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
+        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
+            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
+    )
+)]
+pub async fn clear_all(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    JsonBody(body): JsonBody,
+) -> Result<Json<DeletedResponse>, ApiError> {
+    if body.get("confirm") != Some(&Value::Bool(true)) {
+        return Err(ApiError::BadRequest(
+            "this deletes every message; send {\"confirm\": true} to do it".into(),
+        ));
+    }
+    let deleted = state.store.clear_all(&tenant).await?;
+    Ok(Json(DeletedResponse { deleted }))
+}

@@ -1,0 +1,58 @@
+//! The retention task: every `cleanup_interval` it deletes messages older
+//! than `retention` and idempotency keys older than a day, in short
+//! transactions of bounded size, so appends and reads keep flowing while it
+//! runs. On Postgres an advisory lock lets one replica at a time run it.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::domain::{Timestamp, IDEMPOTENCY_KEY_TTL_SECONDS};
+use crate::error::error_chain;
+use crate::store::Store;
+
+/// Starts the task; it stops when `shutdown` is cancelled, abandoning a run
+/// between (or inside) batches, each of which commits or rolls back whole.
+pub fn spawn(
+    store: Arc<dyn Store>,
+    retention: Option<Duration>,
+    interval: Duration,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                _ = ticks.tick() => {}
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                () = run_once(&*store, retention) => {}
+            }
+        }
+        tracing::info!("retention task stopped");
+    })
+}
+
+async fn run_once(store: &dyn Store, retention: Option<Duration>) {
+    let now = Timestamp::now();
+    let cutoff = retention.map(|r| now.minus_seconds(r.as_secs()));
+    let keys_cutoff = now.minus_seconds(IDEMPOTENCY_KEY_TTL_SECONDS);
+    let started = Instant::now();
+    match store.retention_pass(cutoff, keys_cutoff).await {
+        Ok(Some(report)) => tracing::info!(
+            messages_deleted = report.messages,
+            idempotency_keys_deleted = report.idempotency_keys,
+            seconds = started.elapsed().as_secs_f64(),
+            "retention run finished"
+        ),
+        Ok(None) => tracing::debug!("retention is running on another replica"),
+        Err(e) => {
+            tracing::warn!(error = %error_chain(&e), "retention run failed; retrying at the next interval")
+        }
+    }
+}
