@@ -175,6 +175,30 @@ impl Config {
     }
 }
 
+/// The environment variable behind a malformed value, when the value came
+/// from one: clap's own message names only the flag.
+pub fn environment_source(error: &clap::Error) -> Option<String> {
+    let clap::error::ContextValue::String(flag) =
+        error.get(clap::error::ContextKind::InvalidArg)?
+    else {
+        return None;
+    };
+    let long = flag.strip_prefix("--")?.split([' ', '=']).next()?;
+    let given_as_flag =
+        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if given_as_flag {
+        return None;
+    }
+    let command = Cli::command();
+    let env = command
+        .get_arguments()
+        .find(|arg| arg.get_long() == Some(long))?
+        .get_env()?
+        .to_string_lossy()
+        .into_owned();
+    std::env::var_os(&env).is_some().then_some(env)
+}
+
 /// Fails on a `CHAT_HISTORY_*` variable that no setting reads: a typo there
 /// would otherwise be ignored silently.
 pub fn check_environment(vars: impl Iterator<Item = (String, String)>) -> Result<(), String> {

@@ -5,11 +5,19 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use chat_history::config::{check_environment, Cli, Command};
+use chat_history::config::{check_environment, environment_source, Cli, Command};
 use chat_history::{openapi_json, server, telemetry};
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            if let Some(variable) = environment_source(&error) {
+                eprintln!("error: the environment variable {variable} holds a malformed value");
+            }
+            error.exit()
+        }
+    };
     if let Err(message) = check_environment(std::env::vars()) {
         eprintln!("error: {message}");
         return ExitCode::from(2);

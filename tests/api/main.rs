@@ -5,6 +5,7 @@ mod concurrency;
 mod http;
 mod lifecycle;
 mod shutdown;
+mod startup;
 mod store_suite;
 mod support;
 mod transcripts;
