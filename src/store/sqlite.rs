@@ -61,6 +61,13 @@ impl SqliteStore {
             .connect_lazy_with(connect.read_only(true));
         Ok(Self { writer, reader })
     }
+
+    /// A write transaction that takes SQLite's write lock at once, so that a
+    /// second process on the same file waits (`busy_timeout`) instead of
+    /// failing when its read turns into a write.
+    async fn write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        self.writer.begin_with("BEGIN IMMEDIATE").await
+    }
 }
 
 fn at(micros: i64) -> Timestamp {
@@ -310,7 +317,7 @@ impl Store for SqliteStore {
         idempotency: Option<&Idempotency>,
     ) -> Result<AppendOutcome, StoreError> {
         let count = messages.len() as i64;
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         if let Some(key) = idempotency {
             let seen = sqlx::query(
                 "SELECT request_digest, first_seq, created_at, version FROM chat_idempotency
@@ -407,7 +414,7 @@ impl Store for SqliteStore {
         now: Timestamp,
         cap: Option<u64>,
     ) -> Result<SaveOutcome, StoreError> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         let counters = sqlx::query(LOCK_USER)
             .bind(tenant.as_str())
             .bind(user.as_str())
@@ -482,7 +489,7 @@ impl Store for SqliteStore {
     async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let mut tx = self.writer.begin().await?;
+            let mut tx = self.write().await?;
             let users: Vec<String> = sqlx::query_scalar(
                 "SELECT user_id FROM chat_users WHERE tenant = ?1 AND oldest_at < ?2
                  ORDER BY oldest_at LIMIT ?3",
@@ -533,7 +540,7 @@ impl Store for SqliteStore {
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
-            let mut tx = self.writer.begin().await?;
+            let mut tx = self.write().await?;
             let users: Vec<String> = sqlx::query_scalar(
                 "SELECT user_id FROM chat_users WHERE tenant = ?1 AND message_count > 0
                  ORDER BY user_id LIMIT ?2",
@@ -676,7 +683,7 @@ impl Store for SqliteStore {
         user: &UserId,
         seq: i64,
     ) -> Result<bool, StoreError> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         let deleted = sqlx::query(
             "DELETE FROM chat_messages WHERE tenant = ?1 AND user_id = ?2 AND seq = ?3",
         )
@@ -723,7 +730,7 @@ impl Store for SqliteStore {
     }
 
     async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
-        let mut tx = self.writer.begin().await?;
+        let mut tx = self.write().await?;
         let deleted = sqlx::query("DELETE FROM chat_messages WHERE tenant = ?1 AND user_id = ?2")
             .bind(tenant.as_str())
             .bind(user.as_str())
