@@ -1,9 +1,10 @@
 //! Graceful shutdown: in-flight requests finish, new connections are
 //! refused, the process exits 0 on SIGTERM.
 
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chat_history::server::launch;
@@ -43,14 +44,18 @@ async fn in_flight_requests_finish_and_new_connections_are_refused() {
         body.len()
     )
     .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Give the server time to accept the connection and start reading.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     stop.send(()).unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
 
-    assert!(
-        TcpStream::connect(address).is_err(),
-        "no new connections once shutdown has begun"
-    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while TcpStream::connect(address).is_ok() {
+        assert!(
+            Instant::now() < deadline,
+            "no new connections once shutdown has begun"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     slow.write_all(tail.as_bytes()).unwrap();
     let response = tokio::task::spawn_blocking(move || read_response(&mut slow))
         .await
@@ -95,8 +100,24 @@ async fn sigterm_drains_and_exits_zero() {
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .unwrap();
     assert!(read_response(&mut stream).starts_with("HTTP/1.1 200"));
-    // Let the retention task run at least once before stopping.
-    std::thread::sleep(Duration::from_millis(1500));
+    // Collect the logs as they come, and let the retention task run once.
+    let logs = Arc::new(Mutex::new(String::new()));
+    let reader = {
+        let logs = logs.clone();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut logs = logs.lock().unwrap();
+                logs.push_str(&line);
+                logs.push('\n');
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !logs.lock().unwrap().contains("retention run finished") {
+        assert!(Instant::now() < deadline, "no retention run");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -114,13 +135,8 @@ async fn sigterm_drains_and_exits_zero() {
         );
         std::thread::sleep(Duration::from_millis(50));
     };
-    let mut logs = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut logs)
-        .unwrap();
+    reader.join().unwrap();
+    let logs = logs.lock().unwrap().clone();
     assert!(exit.success(), "exit {exit:?}; logs:\n{logs}");
     assert!(logs.contains("retention run finished"), "{logs}");
     assert!(logs.contains("retention task stopped"), "{logs}");
