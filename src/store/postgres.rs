@@ -42,10 +42,6 @@ impl PostgresStore {
         Ok(Self { pool })
     }
 
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
     /// The single-statement append (see `APPEND`).
     fn append_query<'q>(
         &self,
