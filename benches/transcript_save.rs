@@ -111,10 +111,7 @@ async fn at_the_store(store: &dyn Store, rounds: usize) {
 }
 
 async fn through_http(store: std::sync::Arc<dyn Store>, rounds: usize) {
-    let app = router(AppState {
-        store: store.clone(),
-        limits: Limits::default(),
-    });
+    let app = router(AppState::open(store.clone(), Limits::default()));
     let messages = |n: usize, tag: &str| -> Vec<Value> {
         (0..n)
             .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" },

@@ -4,12 +4,14 @@
 
 use std::fmt;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
 use crate::api::Limits;
+use crate::auth::{Access, Rate};
 use crate::store::{redact_url, ConnectOptions};
 
 /// Prefix of the service's own environment variables.
@@ -128,6 +130,34 @@ pub struct Config {
     )]
     pub db_max_connections: Count,
 
+    /// API keys, comma-separated `tenant:role:key` entries (role `user` or
+    /// `admin`). With keys, every /v1 request needs `Authorization: Bearer <key>`.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_API_KEYS",
+        hide_env_values = true,
+        global = true
+    )]
+    pub api_keys: Option<String>,
+
+    /// A file of API keys: one `tenant:role:key` per line; blank lines and
+    /// lines starting with `#` are ignored.
+    #[arg(long, env = "CHAT_HISTORY_API_KEYS_FILE", global = true)]
+    pub api_keys_file: Option<PathBuf>,
+
+    /// Serve without API keys on an address other than loopback.
+    #[arg(long, env = "CHAT_HISTORY_ALLOW_UNAUTHENTICATED", global = true)]
+    pub allow_unauthenticated: bool,
+
+    /// Requests per API key: `100/s`, `6000/m`, `50000/h`, or `off`.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_RATE_LIMIT",
+        default_value = "off",
+        global = true
+    )]
+    pub rate_limit: OrOff<Rate>,
+
     /// Log format: `pretty` for a terminal, `json` for machines.
     #[arg(
         long,
@@ -151,6 +181,10 @@ impl fmt::Debug for Config {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("request_timeout", &self.request_timeout)
             .field("db_max_connections", &self.db_max_connections)
+            .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
+            .field("api_keys_file", &self.api_keys_file)
+            .field("allow_unauthenticated", &self.allow_unauthenticated)
+            .field("rate_limit", &self.rate_limit)
             .field("log_format", &self.log_format)
             .finish()
     }
@@ -164,6 +198,44 @@ impl Config {
             default_window: self.default_window.0.map(|s| s.0),
             max_body_bytes: self.max_body_bytes.0,
             request_timeout: self.request_timeout.0,
+        }
+    }
+
+    /// The configured keys (none: the service is open), and warnings to log.
+    /// Errors name the variable and the entry, never the key.
+    pub fn access(&self) -> Result<(Access, Vec<String>), String> {
+        let rate = self.rate_limit.0;
+        match (&self.api_keys, &self.api_keys_file) {
+            (Some(_), Some(_)) => {
+                Err("set CHAT_HISTORY_API_KEYS or CHAT_HISTORY_API_KEYS_FILE, not both".into())
+            }
+            (Some(list), None) => Access::from_entries(
+                list.split(',').filter(|e| !e.trim().is_empty()),
+                |i| format!("CHAT_HISTORY_API_KEYS entry {}", i + 1),
+                rate,
+            ),
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    format!(
+                        "cannot read CHAT_HISTORY_API_KEYS_FILE {}: {e}",
+                        path.display()
+                    )
+                })?;
+                let lines: Vec<(usize, &str)> = text
+                    .lines()
+                    .enumerate()
+                    .filter(|(_, line)| {
+                        let line = line.trim();
+                        !line.is_empty() && !line.starts_with('#')
+                    })
+                    .collect();
+                Access::from_entries(
+                    lines.iter().map(|(_, line)| *line),
+                    |i| format!("CHAT_HISTORY_API_KEYS_FILE line {}", lines[i].0 + 1),
+                    rate,
+                )
+            }
+            (None, None) => Ok((Access::open(), Vec::new())),
         }
     }
 
@@ -376,6 +448,53 @@ mod tests {
             "{error}"
         );
         assert!(check_environment(std::iter::empty()).is_ok());
+    }
+
+    #[test]
+    fn keys_come_from_the_list_or_the_file_never_echoed() {
+        let parse = |args: &[&str]| {
+            let mut all = vec!["chat-history"];
+            all.extend_from_slice(args);
+            Cli::try_parse_from(all).unwrap().config.access()
+        };
+        let (access, _) = parse(&[
+            "--api-keys",
+            "a:user:k1-0123456789abcdef, b:admin:k2-0123456789abcdef",
+        ])
+        .unwrap();
+        assert!(!access.is_open());
+        let error = parse(&[
+            "--api-keys",
+            "a:user:k1-0123456789abcdef,b:boss:hunter2-hunter2-hunter2",
+        ])
+        .unwrap_err();
+        assert!(
+            error.starts_with("CHAT_HISTORY_API_KEYS entry 2 is malformed"),
+            "{error}"
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+
+        let file = std::env::temp_dir().join(format!("chat-history-keys-{}", std::process::id()));
+        std::fs::write(
+            &file,
+            "# keys\n\na:user:k1-0123456789abcdef\n  \nb:root:hunter2-hunter2\n",
+        )
+        .unwrap();
+        let error = parse(&["--api-keys-file", file.to_str().unwrap()]).unwrap_err();
+        assert!(
+            error.starts_with("CHAT_HISTORY_API_KEYS_FILE line 5 is malformed"),
+            "{error}"
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+        std::fs::write(&file, "# keys\na:user:k1-0123456789abcdef\n").unwrap();
+        let (access, _) = parse(&["--api-keys-file", file.to_str().unwrap()]).unwrap();
+        assert!(!access.is_open());
+        std::fs::remove_file(&file).unwrap();
+
+        let cli =
+            Cli::try_parse_from(["chat-history", "--api-keys", "a:user:hunter2-hunter2"]).unwrap();
+        assert!(!format!("{:?}", cli.config).contains("hunter2"));
+        assert!(parse(&[]).unwrap().0.is_open());
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! chat-history: a conversation-history service for bots and LLM agents.
 //!
 //! Read it top down: `domain` holds the product's nouns, `store` keeps them
-//! in Postgres or SQLite behind one trait, `api` serves them over HTTP with
+//! in Postgres or SQLite behind one trait, `api` serves them over HTTP (behind
+//! `auth`) with
 //! `error` shaping every failure as problem+json, `cleanup` enforces retention,
 //! and `server` runs it all.
 
 pub mod api;
+pub mod auth;
 pub mod cleanup;
 pub mod config;
 pub mod domain;

@@ -44,8 +44,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            // The subscriber writes to stderr: this is the operator's message.
             tracing::error!("{e}");
-            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }

@@ -16,14 +16,32 @@ pub type StartError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `chat-history serve`: the whole life of the service.
 pub async fn serve(config: Config) -> Result<(), StartError> {
+    let (access, warnings) = config.access()?;
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
+    if access.is_open() {
+        if !config.bind.ip().is_loopback() && !config.allow_unauthenticated {
+            return Err(format!(
+                "CHAT_HISTORY_BIND {} is not a loopback address and no API keys are configured; \
+                 set CHAT_HISTORY_API_KEYS (or CHAT_HISTORY_API_KEYS_FILE), or \
+                 CHAT_HISTORY_ALLOW_UNAUTHENTICATED=true if an open service is intended",
+                config.bind
+            )
+            .into());
+        }
+        tracing::warn!(
+            "no API keys are configured: anyone who can reach {} can read and change every history",
+            config.bind
+        );
+        if config.rate_limit.0.is_some() {
+            tracing::warn!("CHAT_HISTORY_RATE_LIMIT applies per API key, and none is configured");
+        }
+    }
     let store = connect_and_migrate(&config).await?;
     let listener = TcpListener::bind(config.bind)
         .await
         .map_err(|e| format!("cannot listen on {} (CHAT_HISTORY_BIND): {e}", config.bind))?;
-    tracing::warn!(
-        "no API keys are configured: anyone who can reach {} can read and change every history",
-        config.bind
-    );
     tracing::info!(
         address = %listener.local_addr()?,
         database = %redact_url(&config.database_url),
@@ -32,6 +50,7 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
     let state = AppState {
         store: store.clone(),
         limits: config.limits(),
+        access: Arc::new(access),
     };
     let shutdown = CancellationToken::new();
     let retention = cleanup::spawn(

@@ -23,16 +23,30 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::auth::{self, Access};
 use crate::domain::UserId;
 use crate::error::{ApiError, Problem, PROBLEM_JSON};
 use crate::store::Store;
 use crate::telemetry;
 
-/// What every handler may use: the store and the limits from configuration.
+/// What every handler may use: the store, the limits from configuration,
+/// and who may call.
 #[derive(Clone)]
 pub struct AppState {
     pub store: Arc<dyn Store>,
     pub limits: Limits,
+    pub access: Arc<Access>,
+}
+
+impl AppState {
+    /// A service with no API keys: everything acts for the default tenant.
+    pub fn open(store: Arc<dyn Store>, limits: Limits) -> Self {
+        Self {
+            store,
+            limits,
+            access: Arc::new(Access::open()),
+        }
+    }
 }
 
 /// The request-shaping settings of the service.
@@ -82,6 +96,107 @@ purge what has expired. Every error is an RFC 9457 `application/problem+json` do
 )]
 struct ApiDoc;
 
+/// Declares the bearer scheme on every `/v1` operation, with the answers
+/// access control adds: 401 (no or unknown key), 403 (`/v1/admin` without an
+/// admin key) and 429 (over the key's rate limit).
+struct KeysAndLimits;
+
+impl utoipa::Modify for KeysAndLimits {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{
+            HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
+        };
+        use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, ResponseBuilder};
+
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .description(Some(
+                        "An API key from CHAT_HISTORY_API_KEYS, sent as `Authorization: Bearer <key>`. \
+                         Needed only when the service has keys configured.",
+                    ))
+                    .build(),
+            ),
+        );
+        let problem = |description: &str| {
+            ResponseBuilder::new().description(description).content(
+                PROBLEM_JSON,
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("Problem")))
+                    .build(),
+            )
+        };
+        let integer_header = |description: &str| {
+            HeaderBuilder::new()
+                .schema(
+                    utoipa::openapi::ObjectBuilder::new()
+                        .schema_type(utoipa::openapi::Type::Integer),
+                )
+                .description(Some(description))
+                .build()
+        };
+        for (path, item) in openapi.paths.paths.iter_mut() {
+            if !path.starts_with("/v1") {
+                continue;
+            }
+            let admin = path.starts_with("/v1/admin");
+            for operation in [
+                &mut item.get,
+                &mut item.put,
+                &mut item.post,
+                &mut item.delete,
+                &mut item.head,
+            ]
+            .into_iter()
+            .flatten()
+            {
+                operation.security = Some(vec![SecurityRequirement::new(
+                    "bearer",
+                    Vec::<String>::new(),
+                )]);
+                let responses = &mut operation.responses.responses;
+                responses.insert(
+                    "401".into(),
+                    problem("No API key, or an unknown one")
+                        .header(
+                            "WWW-Authenticate",
+                            HeaderBuilder::new()
+                                .schema(
+                                    utoipa::openapi::ObjectBuilder::new()
+                                        .schema_type(utoipa::openapi::Type::String),
+                                )
+                                .description(Some("`Bearer realm=\"chat-history\"`"))
+                                .build(),
+                        )
+                        .build()
+                        .into(),
+                );
+                if admin {
+                    responses.insert(
+                        "403".into(),
+                        problem("The key's role is `user`; this needs an `admin` key")
+                            .build()
+                            .into(),
+                    );
+                }
+                responses.insert(
+                    "429".into(),
+                    problem("This key is over its rate limit")
+                        .header(
+                            "Retry-After",
+                            integer_header("Seconds to wait before retrying"),
+                        )
+                        .build()
+                        .into(),
+                );
+            }
+        }
+    }
+}
+
 fn api_routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(ApiDoc::openapi())
         .routes(routes!(messages::append_messages, messages::get_history))
@@ -106,7 +221,8 @@ fn api_routes() -> OpenApiRouter<AppState> {
 /// The OpenAPI document, as `chat-history openapi` prints it and
 /// `/openapi.json` serves it.
 pub fn openapi_json() -> String {
-    let (_, doc) = api_routes().split_for_parts();
+    let (_, mut doc) = api_routes().split_for_parts();
+    utoipa::Modify::modify(&KeysAndLimits, &mut doc);
     doc.to_pretty_json()
         .expect("the OpenAPI document serialises")
         + "\n"
@@ -116,6 +232,7 @@ pub fn openapi_json() -> String {
 pub fn router(state: AppState) -> Router {
     let (routes, _) = api_routes().split_for_parts();
     let limits = state.limits;
+    let access = state.access.clone();
     let routes = telemetry::trace_requests(
         routes
             .layer(DefaultBodyLimit::max(limits.max_body_bytes))
@@ -123,6 +240,7 @@ pub fn router(state: AppState) -> Router {
                 StatusCode::SERVICE_UNAVAILABLE,
                 limits.request_timeout,
             ))
+            .layer(middleware::from_fn_with_state(access, auth::authorize))
             .with_state(state),
     );
     // Wrapped from outside so that it sees responses axum finishes last,

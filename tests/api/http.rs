@@ -552,10 +552,7 @@ async fn unreachable_postgres_is_503_with_retry_after() {
     )
     .await
     .unwrap();
-    let router = chat_history::router(chat_history::AppState {
-        store,
-        limits: Limits::default(),
-    });
+    let router = chat_history::router(chat_history::AppState::open(store, Limits::default()));
     for (method, uri, body) in [
         (
             Method::POST,

@@ -1,6 +1,7 @@
 //! The one integration-test binary: every behaviour runs against a real
 //! Postgres database and a real SQLite file.
 
+mod access;
 mod concurrency;
 mod http;
 mod lifecycle;

@@ -23,10 +23,7 @@ fn read_response(stream: &mut TcpStream) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_requests_finish_and_new_connections_are_refused() {
     let db = TestDb::new(Backend::Sqlite).await;
-    let state = AppState {
-        store: db.store().await,
-        limits: Limits::default(),
-    };
+    let state = AppState::open(db.store().await, Limits::default());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

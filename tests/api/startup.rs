@@ -66,5 +66,40 @@ fn openapi_prints_the_committed_document() {
         .unwrap();
     assert!(output.status.success());
     let committed = include_str!("../../openapi/openapi.json");
-    assert_eq!(String::from_utf8_lossy(&output.stdout), committed);
+    assert!(
+        String::from_utf8_lossy(&output.stdout) == committed,
+        "`chat-history openapi` differs from openapi/openapi.json; regenerate it with \
+         `cargo run -- openapi > openapi/openapi.json`"
+    );
+}
+
+#[test]
+fn an_open_service_refuses_a_public_address() {
+    let (code, stderr) = run(&[("CHAT_HISTORY_BIND", "0.0.0.0:0")], &["serve"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("not a loopback address"), "{stderr}");
+    assert!(
+        stderr.contains("CHAT_HISTORY_ALLOW_UNAUTHENTICATED"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_malformed_key_entry_names_the_entry_and_hides_the_key() {
+    let (code, stderr) = run(
+        &[(
+            "CHAT_HISTORY_API_KEYS",
+            "acme:user:first-key-0123456789,acme:owner:hunter2-hunter2-hunter2",
+        )],
+        &["serve"],
+    );
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("CHAT_HISTORY_API_KEYS entry 2 is malformed"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("hunter2") && !stderr.contains("first-key"),
+        "{stderr}"
+    );
 }

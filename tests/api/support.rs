@@ -9,6 +9,7 @@ use std::sync::{Arc, Once};
 use axum::body::Body;
 use axum::http::{header, HeaderMap, Method, Request, StatusCode};
 use axum::Router;
+use chat_history::auth::Access;
 use chat_history::store::{self, ConnectOptions, Store};
 use chat_history::{router, AppState, Limits};
 use http_body_util::BodyExt;
@@ -185,11 +186,16 @@ impl TestApp {
     }
 
     pub async fn with_limits(backend: Backend, limits: Limits) -> Self {
+        Self::with_access(backend, limits, Access::open()).await
+    }
+
+    pub async fn with_access(backend: Backend, limits: Limits, access: Access) -> Self {
         let db = TestDb::new(backend).await;
         let store = db.store().await;
         let router = router(AppState {
             store: store.clone(),
             limits,
+            access: Arc::new(access),
         });
         Self { router, store, db }
     }
