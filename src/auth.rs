@@ -70,6 +70,8 @@ pub struct Access {
     keys: Vec<ApiKey>,
     /// One limiter per key, same order; empty when rate limits are off.
     limiters: Vec<DefaultDirectRateLimiter>,
+    /// `/metrics` needs a key (of any role) too.
+    protect_metrics: bool,
 }
 
 impl fmt::Debug for Access {
@@ -87,6 +89,7 @@ impl Access {
         Self {
             keys: Vec::new(),
             limiters: Vec::new(),
+            protect_metrics: false,
         }
     }
 
@@ -151,11 +154,29 @@ impl Access {
             Some(Rate(quota)) => keys.iter().map(|_| RateLimiter::direct(quota)).collect(),
             None => Vec::new(),
         };
-        Ok((Self { keys, limiters }, warnings))
+        Ok((
+            Self {
+                keys,
+                limiters,
+                protect_metrics: false,
+            },
+            warnings,
+        ))
     }
 
     pub fn is_open(&self) -> bool {
         self.keys.is_empty()
+    }
+
+    /// Makes `/metrics` need a key; refused when there are no keys.
+    pub fn protecting_metrics(mut self) -> Result<Self, String> {
+        if self.is_open() {
+            return Err(
+                "CHAT_HISTORY_METRICS_REQUIRE_KEY needs API keys (CHAT_HISTORY_API_KEYS)".into(),
+            );
+        }
+        self.protect_metrics = true;
+        Ok(self)
     }
 
     /// The index of the key `presented` is, comparing it with every key in
@@ -184,13 +205,20 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 /// Guards `/v1`: with keys configured, a request needs a known bearer key
 /// (401), an admin key for `/v1/admin` (403), and room in its key's rate
-/// limit (429); it then acts for the key's tenant. Other paths stay open.
+/// limit (429); it then acts for the key's tenant. `/metrics` needs a key
+/// when so configured; other paths stay open.
 pub async fn authorize(
     State(access): State<Arc<Access>>,
     mut request: Request,
     next: Next,
 ) -> Response {
     let path = request.uri().path();
+    if access.protect_metrics && path == "/metrics" {
+        return match bearer(request.headers()).and_then(|token| access.authenticate(token)) {
+            Some(_) => next.run(request).await,
+            None => unauthorized(),
+        };
+    }
     if access.is_open() || !(path == "/v1" || path.starts_with("/v1/")) {
         return next.run(request).await;
     }

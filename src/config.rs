@@ -149,6 +149,10 @@ pub struct Config {
     #[arg(long, env = "CHAT_HISTORY_ALLOW_UNAUTHENTICATED", global = true)]
     pub allow_unauthenticated: bool,
 
+    /// Require an API key (of any role) for `/metrics` too.
+    #[arg(long, env = "CHAT_HISTORY_METRICS_REQUIRE_KEY", global = true)]
+    pub metrics_require_key: bool,
+
     /// Requests per API key: `100/s`, `6000/m`, `50000/h`, or `off`.
     #[arg(
         long,
@@ -185,6 +189,7 @@ impl fmt::Debug for Config {
             .field("api_keys_file", &self.api_keys_file)
             .field("allow_unauthenticated", &self.allow_unauthenticated)
             .field("rate_limit", &self.rate_limit)
+            .field("metrics_require_key", &self.metrics_require_key)
             .field("log_format", &self.log_format)
             .finish()
     }
@@ -204,6 +209,15 @@ impl Config {
     /// The configured keys (none: the service is open), and warnings to log.
     /// Errors name the variable and the entry, never the key.
     pub fn access(&self) -> Result<(Access, Vec<String>), String> {
+        let (access, warnings) = self.keys()?;
+        if self.metrics_require_key {
+            Ok((access.protecting_metrics()?, warnings))
+        } else {
+            Ok((access, warnings))
+        }
+    }
+
+    fn keys(&self) -> Result<(Access, Vec<String>), String> {
         let rate = self.rate_limit.0;
         match (&self.api_keys, &self.api_keys_file) {
             (Some(_), Some(_)) => {

@@ -1,12 +1,19 @@
-//! Logging: a tracing subscriber that writes `pretty` lines for a terminal
-//! or one JSON object per line for machines, filtered by `RUST_LOG`, and the
-//! per-request span, named by the route template (never the raw path, which
-//! carries user ids).
+//! Logging and metrics: a tracing subscriber that writes `pretty` lines for
+//! a terminal or one JSON object per line for machines, filtered by
+//! `RUST_LOG`; the per-request span, named by the route template (never the
+//! raw path, which carries user ids) with the request id; and the Prometheus
+//! recorder behind `/metrics`.
+
+use std::sync::OnceLock;
+use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::MatchedPath;
+use axum::extract::{MatchedPath, Request as AxumRequest};
 use axum::http::Request;
+use axum::middleware::Next;
+use axum::response::Response;
 use axum::Router;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use tracing_subscriber::EnvFilter;
@@ -48,5 +55,91 @@ fn request_span(request: &Request<Body>) -> tracing::Span {
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched", MatchedPath::as_str);
-    tracing::info_span!("request", method = %request.method(), route)
+    let request_id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    tracing::info_span!("request", method = %request.method(), route, request_id)
+}
+
+/// Seconds: from 1 ms to 10 s, for request and cleanup durations.
+const DURATION_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The process-wide Prometheus recorder, installed on first use.
+pub fn metrics() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let handle = PrometheusBuilder::new()
+            .set_buckets_for_metric(
+                Matcher::Suffix("_duration_seconds".into()),
+                DURATION_BUCKETS,
+            )
+            .expect("the buckets are not empty")
+            .install_recorder()
+            .expect("no other metrics recorder is installed");
+        describe_metrics();
+        handle
+    })
+}
+
+fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "chat_history_http_requests_total",
+        "HTTP requests answered, by method, route template and status."
+    );
+    describe_histogram!(
+        "chat_history_http_request_duration_seconds",
+        Unit::Seconds,
+        "Time to answer an HTTP request, by method and route template."
+    );
+    describe_gauge!(
+        "chat_history_db_connections",
+        "Database pool connections, by state (in_use, idle)."
+    );
+    describe_counter!(
+        "chat_history_messages_appended_total",
+        "Messages stored by appends and transcript saves."
+    );
+    describe_counter!(
+        "chat_history_messages_purged_total",
+        "Messages deleted for being older than the retention or a purge's max_age."
+    );
+    describe_counter!(
+        "chat_history_cleanup_runs_total",
+        "Runs of the retention task, by outcome (ok, skipped: another replica ran it, error)."
+    );
+    describe_histogram!(
+        "chat_history_cleanup_duration_seconds",
+        Unit::Seconds,
+        "Time a run of the retention task took."
+    );
+}
+
+/// Counts and times each request by route template and status; a route
+/// layer, so the template is known.
+pub async fn record_request(request: AxumRequest, next: Next) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched", MatchedPath::as_str)
+        .to_owned();
+    let method = request.method().as_str().to_owned();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16().to_string();
+    metrics::counter!(
+        "chat_history_http_requests_total",
+        "method" => method.clone(), "route" => route.clone(), "status" => status
+    )
+    .increment(1);
+    metrics::histogram!(
+        "chat_history_http_request_duration_seconds",
+        "method" => method, "route" => route
+    )
+    .record(started.elapsed().as_secs_f64());
+    response
 }

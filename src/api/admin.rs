@@ -43,6 +43,7 @@ pub async fn purge_expired(
     })?;
     let cutoff = Timestamp::now().minus_seconds(max_age);
     let deleted = state.store.purge_expired(&tenant, cutoff).await?;
+    metrics::counter!("chat_history_messages_purged_total").increment(deleted);
     Ok(Json(DeletedResponse { deleted }))
 }
 

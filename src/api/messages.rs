@@ -204,7 +204,11 @@ pub async fn append_messages(
         )
         .await?;
     let (appended, replayed) = match outcome {
-        AppendOutcome::Stored(appended) => (appended, false),
+        AppendOutcome::Stored(appended) => {
+            metrics::counter!("chat_history_messages_appended_total")
+                .increment(appended.messages.len() as u64);
+            (appended, false)
+        }
         AppendOutcome::Replayed(appended) => (appended, true),
         AppendOutcome::KeyReused => {
             return Err(ApiError::Unprocessable(

@@ -18,6 +18,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -90,7 +91,7 @@ purge what has expired. Every error is an RFC 9457 `application/problem+json` do
         (name = "users", description = "Who has history, how much, and clearing it."),
         (name = "transcripts", description = "A conversation as one document: load it, save it whole."),
         (name = "admin", description = "Bulk deletion within the caller's tenant."),
-        (name = "operations", description = "Liveness, readiness and this document.")
+        (name = "operations", description = "Liveness, readiness, metrics and this document.")
     ),
     components(schemas(Problem))
 )]
@@ -216,6 +217,7 @@ fn api_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(ops::healthz))
         .routes(routes!(ops::readyz))
         .routes(routes!(ops::openapi_document))
+        .routes(routes!(ops::metrics))
 }
 
 /// The OpenAPI document, as `chat-history openapi` prints it and
@@ -230,6 +232,7 @@ pub fn openapi_json() -> String {
 
 /// The whole service as one axum `Router`: the seam tests drive.
 pub fn router(state: AppState) -> Router {
+    telemetry::metrics();
     let (routes, _) = api_routes().split_for_parts();
     let limits = state.limits;
     let access = state.access.clone();
@@ -241,13 +244,17 @@ pub fn router(state: AppState) -> Router {
                 limits.request_timeout,
             ))
             .layer(middleware::from_fn_with_state(access, auth::authorize))
+            .layer(middleware::from_fn(telemetry::record_request))
             .with_state(state),
     );
     // Wrapped from outside so that it sees responses axum finishes last,
-    // such as a 405 with its `Allow` header.
+    // such as a 405 with its `Allow` header; the request id is set before
+    // anything logs and returned on every response.
     Router::new()
         .fallback_service(routes)
         .layer(middleware::from_fn(problem_for_bare_errors))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
 }
 
 /// Gives a problem+json body to error responses that axum or a layer made

@@ -54,6 +54,29 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
+/// Prometheus metrics: requests by route and status, latency, database
+/// pool, messages appended and purged, retention runs.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "getMetrics",
+    tag = "operations",
+    responses((status = 200, description = "Prometheus text exposition format", content_type = "text/plain", body = String))
+)]
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let pool = state.store.pool_status();
+    metrics::gauge!("chat_history_db_connections", "state" => "in_use").set(pool.in_use as f64);
+    metrics::gauge!("chat_history_db_connections", "state" => "idle").set(pool.idle as f64);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        crate::telemetry::metrics().render(),
+    )
+        .into_response()
+}
+
 /// This document.
 #[utoipa::path(
     get,

@@ -120,17 +120,20 @@ pub async fn put_transcript(
         )
         .await?;
     match outcome {
-        SaveOutcome::Saved(saved) => Ok((
-            [(header::ETAG, etag(saved.version))],
-            Json(SaveTranscriptResponse {
-                user_id: user,
-                version: saved.version,
-                kept: saved.kept,
-                appended: saved.appended,
-                removed: saved.removed,
-            }),
-        )
-            .into_response()),
+        SaveOutcome::Saved(saved) => {
+            metrics::counter!("chat_history_messages_appended_total").increment(saved.appended);
+            Ok((
+                [(header::ETAG, etag(saved.version))],
+                Json(SaveTranscriptResponse {
+                    user_id: user,
+                    version: saved.version,
+                    kept: saved.kept,
+                    appended: saved.appended,
+                    removed: saved.removed,
+                }),
+            )
+                .into_response())
+        }
         SaveOutcome::PreconditionFailed { current_version } => {
             let mut response = Problem::new(
                 StatusCode::PRECONDITION_FAILED,

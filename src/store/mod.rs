@@ -193,8 +193,29 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
     ) -> Result<(Vec<UserSummary>, bool), StoreError>;
 
+    /// Connections of the pools, in use and idle, for `/metrics`.
+    fn pool_status(&self) -> PoolStatus;
+
     /// Closes the pools, waiting for connections in use to come back.
     async fn close(&self);
+}
+
+/// Database pool connections, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStatus {
+    pub in_use: u64,
+    pub idle: u64,
+}
+
+impl PoolStatus {
+    fn of<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> Self {
+        let size = u64::from(pool.size());
+        let idle = pool.num_idle() as u64;
+        Self {
+            in_use: size.saturating_sub(idle),
+            idle,
+        }
+    }
 }
 
 /// What one retention run deleted.

@@ -12,8 +12,8 @@ use sqlx::Row;
 
 use super::{
     appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
-    ConnectOptions, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
-    PURGE_USERS_PER_BATCH, TENANTS,
+    ConnectOptions, PoolStatus, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH,
+    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
@@ -884,6 +884,10 @@ impl Store for PostgresStore {
             })
             .collect();
         users_page(rows, limit)
+    }
+
+    fn pool_status(&self) -> PoolStatus {
+        PoolStatus::of(&self.pool)
     }
 
     async fn close(&self) {

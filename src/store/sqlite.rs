@@ -19,8 +19,8 @@ use sqlx::{Sqlite, Transaction};
 
 use super::{
     appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
-    ConnectOptions, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
-    PURGE_USERS_PER_BATCH, TENANTS,
+    ConnectOptions, PoolStatus, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH,
+    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
@@ -776,6 +776,14 @@ impl Store for SqliteStore {
             })
             .collect();
         users_page(rows, limit)
+    }
+
+    fn pool_status(&self) -> PoolStatus {
+        let (writer, reader) = (PoolStatus::of(&self.writer), PoolStatus::of(&self.reader));
+        PoolStatus {
+            in_use: writer.in_use + reader.in_use,
+            idle: writer.idle + reader.idle,
+        }
     }
 
     async fn close(&self) {

@@ -5,6 +5,7 @@ mod access;
 mod concurrency;
 mod http;
 mod lifecycle;
+mod operations;
 mod shutdown;
 mod startup;
 mod store_suite;

@@ -116,6 +116,20 @@ async fn sigterm_drains_and_exits_zero() {
         std::thread::sleep(Duration::from_millis(50));
     }
 
+    let mut scrape = TcpStream::connect(address).unwrap();
+    scrape
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let metrics = read_response(&mut scrape);
+    assert!(
+        metrics.contains("chat_history_cleanup_runs_total{outcome=\"ok\"}"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("chat_history_cleanup_duration_seconds_bucket"),
+        "{metrics}"
+    );
+
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
