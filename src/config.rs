@@ -34,6 +34,9 @@ pub enum Command {
     Migrate,
     /// Print the OpenAPI document and exit.
     Openapi,
+    /// Ask the service at CHAT_HISTORY_BIND whether it is alive (`/healthz`);
+    /// exits 0 if so. For container health checks: needs no curl.
+    Healthcheck,
 }
 
 #[derive(Clone, Args)]

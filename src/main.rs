@@ -38,7 +38,8 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match command {
             Command::Migrate => server::migrate(cli.config).await,
-            _ => server::serve(cli.config).await,
+            Command::Healthcheck => server::healthcheck(cli.config).await,
+            Command::Serve | Command::Openapi => server::serve(cli.config).await,
         }
     });
     match result {

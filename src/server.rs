@@ -74,6 +74,40 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
     Ok(())
 }
 
+/// `chat-history healthcheck`: a GET of `/healthz` on the port the service
+/// binds (on loopback when it binds every address), within two seconds.
+pub async fn healthcheck(config: Config) -> Result<(), StartError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mut address = config.bind;
+    if address.ip().is_unspecified() {
+        address.set_ip(match address {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let check = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).await?;
+        Ok::<_, std::io::Error>(response)
+    };
+    let response = tokio::time::timeout(std::time::Duration::from_secs(2), check)
+        .await
+        .map_err(|_| format!("no answer from {address} within 2 s"))?
+        .map_err(|e| format!("cannot reach {address}: {e}"))?;
+    if response.starts_with(b"HTTP/1.1 200") {
+        Ok(())
+    } else {
+        let status = String::from_utf8_lossy(&response);
+        let status = status.lines().next().unwrap_or_default();
+        Err(format!("{address}/healthz answered {status:?}").into())
+    }
+}
+
 /// `chat-history migrate`.
 pub async fn migrate(config: Config) -> Result<(), StartError> {
     let store = connect_and_migrate(&config).await?;

@@ -5,7 +5,7 @@
 //! recorder behind `/metrics`.
 
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request as AxumRequest};
@@ -14,8 +14,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use axum::Router;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tower_http::trace::{DefaultOnResponse, TraceLayer};
-use tracing::Level;
+use tower_http::trace::TraceLayer;
 use tracing_subscriber::EnvFilter;
 
 use crate::config::LogFormat;
@@ -46,7 +45,15 @@ pub fn trace_requests(router: Router) -> Router {
         TraceLayer::new_for_http()
             .make_span_with(request_span)
             .on_request(())
-            .on_response(DefaultOnResponse::new().level(Level::INFO)),
+            .on_response(
+                |response: &Response, latency: Duration, _: &tracing::Span| {
+                    tracing::info!(
+                        status = response.status().as_u16(),
+                        latency_ms = latency.as_secs_f64() * 1000.0,
+                        "request finished"
+                    );
+                },
+            ),
     )
 }
 

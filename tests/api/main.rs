@@ -6,6 +6,7 @@ mod concurrency;
 mod http;
 mod lifecycle;
 mod operations;
+mod replicas;
 mod shutdown;
 mod startup;
 mod store_suite;

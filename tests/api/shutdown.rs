@@ -130,11 +130,30 @@ async fn sigterm_drains_and_exits_zero() {
         "{metrics}"
     );
 
+    // A request still arriving when the signal comes.
+    let body = r#"{"messages":[{"role":"user","content":"in flight"}]}"#;
+    let (head, tail) = body.split_at(20);
+    let mut slow = TcpStream::connect(address).unwrap();
+    write!(
+        slow,
+        "POST /v1/users/u/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{head}",
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
+    std::thread::sleep(Duration::from_millis(300));
+    slow.write_all(tail.as_bytes()).unwrap();
+    let answer = read_response(&mut slow);
+    assert!(
+        answer.starts_with("HTTP/1.1 201"),
+        "the in-flight request finished: {answer}"
+    );
     let deadline = Instant::now() + Duration::from_secs(10);
     let exit = loop {
         if let Some(exit) = child.try_wait().unwrap() {

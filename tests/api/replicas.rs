@@ -1,0 +1,251 @@
+//! Scale-out: two service processes on one Postgres take interleaved
+//! appends for the same users, and share the retention work without ever
+//! running it at the same time.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chat_history::domain::{NewMessage, Tenant, Timestamp, UserId};
+use serde_json::{json, Value};
+
+use crate::support::{Backend, TestDb};
+
+const EXPIRED_USERS: usize = 100;
+const EXPIRED_PER_USER: usize = 1000;
+
+struct Replica {
+    child: Child,
+    address: SocketAddr,
+    logs: Arc<Mutex<String>>,
+}
+
+impl Replica {
+    fn start(database_url: &str) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_chat-history"))
+            .arg("serve")
+            .env("DATABASE_URL", database_url)
+            .env("CHAT_HISTORY_BIND", address.to_string())
+            .env("CHAT_HISTORY_RETENTION", "1h")
+            .env("CHAT_HISTORY_CLEANUP_INTERVAL", "1s")
+            .env("CHAT_HISTORY_LOG_FORMAT", "json")
+            .env("RUST_LOG", "chat_history=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a replica");
+        let logs = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut logs = sink.lock().unwrap();
+                logs.push_str(&line);
+                logs.push('\n');
+            }
+        });
+        let replica = Self {
+            child,
+            address,
+            logs,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while replica.http("GET", "/healthz", None).0 != 200 {
+            assert!(Instant::now() < deadline, "replica did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        replica
+    }
+
+    /// One HTTP/1.1 exchange on a fresh connection: (status, body).
+    fn http(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+        let Ok(mut stream) = TcpStream::connect(self.address) else {
+            return (0, String::new());
+        };
+        let body = body.map(Value::to_string).unwrap_or_default();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let status = response
+            .get(9..12)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.http("GET", "/metrics", None);
+        text.lines()
+            .filter(|line| line.starts_with(name))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// (start, end) of each retention run this replica finished, in seconds.
+    fn retention_runs(&self) -> Vec<(f64, f64)> {
+        self.logs
+            .lock()
+            .unwrap()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|event| event["message"] == "retention run finished")
+            .map(|event| {
+                let end = chrono::DateTime::parse_from_rfc3339(event["timestamp"].as_str().unwrap())
+                    .unwrap()
+                    .timestamp_micros() as f64
+                    / 1e6;
+                (end - event["seconds"].as_f64().unwrap(), end)
+            })
+            .collect()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_one_postgres() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let store = db.store().await;
+    // Expired history, enough that a retention run takes a while.
+    let old = Timestamp::now().minus_seconds(2 * 3600);
+    let batch: Vec<NewMessage> = (0..EXPIRED_PER_USER)
+        .map(|i| {
+            NewMessage::from_value(json!({"role": "user", "content": format!("old {i}")}), "m")
+                .unwrap()
+        })
+        .collect();
+    for user in 0..EXPIRED_USERS {
+        store
+            .append_messages(
+                &Tenant::default_tenant(),
+                &UserId::parse(format!("old-{user}")).unwrap(),
+                &batch,
+                old,
+                None,
+                None,
+            )
+            .await
+            .unwrap();
+    }
+
+    let replicas = Arc::new([Replica::start(&db.url), Replica::start(&db.url)]);
+
+    // Eight writers, each alternating between the replicas, on four shared users.
+    let mut writers = Vec::new();
+    for writer in 0..8 {
+        let replicas = replicas.clone();
+        writers.push(tokio::task::spawn_blocking(move || {
+            let mut acknowledged = Vec::new();
+            for round in 0..40 {
+                let user = format!("shared-{}", (writer + round) % 4);
+                let content = format!("w{writer} r{round}");
+                let body = json!({"messages": [{"role": "user", "content": content}]});
+                let (status, reply) = replicas[round % 2].http(
+                    "POST",
+                    &format!("/v1/users/{user}/messages"),
+                    Some(&body),
+                );
+                assert_eq!(status, 201, "{reply}");
+                let seq = serde_json::from_str::<Value>(&reply).unwrap()["messages"][0]["seq"]
+                    .as_i64()
+                    .unwrap();
+                acknowledged.push((user, seq, content));
+            }
+            acknowledged
+        }));
+    }
+    let mut acknowledged: HashMap<String, Vec<(i64, String)>> = HashMap::new();
+    for writer in writers {
+        for (user, seq, content) in writer.await.unwrap() {
+            acknowledged.entry(user).or_default().push((seq, content));
+        }
+    }
+    for (user, mut written) in acknowledged {
+        written.sort();
+        let (status, page) = replicas[1].http(
+            "GET",
+            &format!("/v1/users/{user}/messages?after=0&limit=1000"),
+            None,
+        );
+        assert_eq!(status, 200);
+        let stored: Vec<(i64, String)> = serde_json::from_str::<Value>(&page).unwrap()["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                (
+                    m["seq"].as_i64().unwrap(),
+                    m["message"]["content"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            stored, written,
+            "{user}: every acknowledged message once, in seq order"
+        );
+        assert!(stored.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    // Retention: wait until the expired messages are gone.
+    let expired = (EXPIRED_USERS * EXPIRED_PER_USER) as f64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let purged = loop {
+        let purged: f64 = replicas
+            .iter()
+            .map(|r| r.metric("chat_history_messages_purged_total"))
+            .sum();
+        if purged >= expired {
+            break purged;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "retention did not finish: {purged} of {expired}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(
+        purged, expired,
+        "each expired message purged once, by one replica"
+    );
+    let skipped: f64 = replicas
+        .iter()
+        .map(|r| r.metric("chat_history_cleanup_runs_total{outcome=\"skipped\"}"))
+        .sum();
+    assert!(
+        skipped >= 1.0,
+        "a replica found the retention lock taken at least once"
+    );
+    let (first, second) = (replicas[0].retention_runs(), replicas[1].retention_runs());
+    assert!(!first.is_empty() || !second.is_empty());
+    for a in &first {
+        for b in &second {
+            assert!(
+                a.1 <= b.0 || b.1 <= a.0,
+                "retention ran on both replicas at once: {a:?} and {b:?}"
+            );
+        }
+    }
+}
