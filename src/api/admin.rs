@@ -23,8 +23,6 @@ use crate::error::{ApiError, Problem};
         (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`max_age` missing, not a whole number, or below 1", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn purge_expired(
@@ -59,8 +57,6 @@ pub async fn purge_expired(
         (status = 400, description = "Malformed JSON, or `confirm` is not `true`", body = Problem, content_type = "application/problem+json"),
         (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn clear_all(

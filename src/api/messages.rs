@@ -155,8 +155,6 @@ const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
         (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Valid JSON that breaks a rule: no `role`, empty batch, batch over `max_batch`, NUL in a string, Idempotency-Key reused with another body", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn append_messages(
@@ -248,8 +246,6 @@ pub async fn append_messages(
     responses(
         (status = 200, description = "A page of history, oldest first", body = HistoryResponse),
         (status = 400, description = "A bad `user_id` or query parameter", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get_history(
@@ -282,8 +278,6 @@ pub async fn get_history(
         (status = 200, description = "The message", body = super::schema::StoredMessageSchema),
         (status = 400, description = "A bad `user_id` or `seq`", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No message with this `seq`", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get_message(
@@ -317,8 +311,6 @@ pub async fn get_message(
         (status = 200, description = "Deleted", body = DeletedResponse),
         (status = 400, description = "A bad `user_id` or `seq`", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No message with this `seq`", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn delete_message(

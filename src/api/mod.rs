@@ -97,9 +97,10 @@ purge what has expired. Every error is an RFC 9457 `application/problem+json` do
 )]
 struct ApiDoc;
 
-/// Declares the bearer scheme on every `/v1` operation, with the answers
-/// access control adds: 401 (no or unknown key), 403 (`/v1/admin` without an
-/// admin key) and 429 (over the key's rate limit).
+/// Adds what every `/v1` operation shares instead of repeating it on each
+/// handler: the bearer scheme, and the answers of access control (401 no or
+/// unknown key, 403 `/v1/admin` without an admin key, 429 over the key's rate
+/// limit) and of an unavailable database (503).
 struct KeysAndLimits;
 
 impl utoipa::Modify for KeysAndLimits {
@@ -192,6 +193,18 @@ impl utoipa::Modify for KeysAndLimits {
                         )
                         .build()
                         .into(),
+                );
+                responses.insert(
+                    "503".into(),
+                    problem(
+                        "The database is unavailable, or the request ran past the server's timeout",
+                    )
+                    .header(
+                        "Retry-After",
+                        integer_header("Seconds to wait before retrying"),
+                    )
+                    .build()
+                    .into(),
                 );
             }
         }

@@ -34,8 +34,6 @@ fn etag(version: i64) -> HeaderValue {
             headers(("ETag" = String, description = "The version, quoted: `\"17\"`"))),
         (status = 400, description = "A bad `user_id`", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "No transcript: the user has no messages", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn get_transcript(
@@ -92,8 +90,6 @@ pub async fn get_transcript(
         (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
         (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn put_transcript(

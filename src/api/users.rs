@@ -40,8 +40,6 @@ pub struct ListUsersParams {
     responses(
         (status = 200, description = "A page of users", body = UserListResponse),
         (status = 400, description = "A bad query parameter", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn list_users(
@@ -89,8 +87,6 @@ pub async fn list_users(
         (status = 200, description = "The user's stats", body = UserStatsResponse),
         (status = 400, description = "A bad `user_id`", body = Problem, content_type = "application/problem+json"),
         (status = 404, description = "The user has no messages", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn user_stats(
@@ -126,8 +122,6 @@ pub async fn user_stats(
         (status = 200, description = "The user has messages"),
         (status = 400, description = "A bad `user_id`"),
         (status = 404, description = "The user has no messages"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn user_exists(
@@ -152,8 +146,6 @@ pub async fn user_exists(
     responses(
         (status = 200, description = "Cleared", body = DeletedResponse),
         (status = 400, description = "A bad `user_id`", body = Problem, content_type = "application/problem+json"),
-        (status = 503, description = "Database unavailable; retry after `Retry-After`", body = Problem, content_type = "application/problem+json",
-            headers(("Retry-After" = u32, description = "Seconds to wait before retrying"))),
     )
 )]
 pub async fn clear_user(
