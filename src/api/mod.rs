@@ -101,9 +101,9 @@ struct ApiDoc;
 /// handler: the bearer scheme, and the answers of access control (401 no or
 /// unknown key, 403 `/v1/admin` without an admin key, 429 over the key's rate
 /// limit) and of an unavailable database (503).
-struct KeysAndLimits;
+struct SharedResponses;
 
-impl utoipa::Modify for KeysAndLimits {
+impl utoipa::Modify for SharedResponses {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
         use utoipa::openapi::security::{
             HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
@@ -237,7 +237,7 @@ fn api_routes() -> OpenApiRouter<AppState> {
 /// `/openapi.json` serves it.
 pub fn openapi_json() -> String {
     let (_, mut doc) = api_routes().split_for_parts();
-    utoipa::Modify::modify(&KeysAndLimits, &mut doc);
+    utoipa::Modify::modify(&SharedResponses, &mut doc);
     doc.to_pretty_json()
         .expect("the OpenAPI document serialises")
         + "\n"
