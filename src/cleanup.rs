@@ -43,30 +43,30 @@ async fn run_once(store: &dyn Store, retention: Option<Duration>) {
     let cutoff = retention.map(|r| now.minus_seconds(r.as_secs()));
     let keys_cutoff = now.minus_seconds(IDEMPOTENCY_KEY_TTL_SECONDS);
     let started = Instant::now();
-    let outcome = match store.retention_pass(cutoff, keys_cutoff).await {
+    let result = store.retention_pass(cutoff, keys_cutoff).await;
+    let seconds = started.elapsed().as_secs_f64();
+    // Metrics first, so that whoever reads the log line finds them counted.
+    let outcome = match &result {
         Ok(Some(report)) => {
             metrics::counter!("chat_history_messages_purged_total").increment(report.messages);
-            tracing::info!(
-                messages_deleted = report.messages,
-                idempotency_keys_deleted = report.idempotency_keys,
-                seconds = started.elapsed().as_secs_f64(),
-                "retention run finished"
-            );
             "ok"
         }
-        Ok(None) => {
-            tracing::debug!("retention is running on another replica");
-            "skipped"
-        }
-        Err(e) => {
-            tracing::warn!(
-                error = %error_chain(&e),
-                "retention run failed; retrying at the next interval"
-            );
-            "error"
-        }
+        Ok(None) => "skipped",
+        Err(_) => "error",
     };
     metrics::counter!("chat_history_cleanup_runs_total", "outcome" => outcome).increment(1);
-    metrics::histogram!("chat_history_cleanup_duration_seconds")
-        .record(started.elapsed().as_secs_f64());
+    metrics::histogram!("chat_history_cleanup_duration_seconds").record(seconds);
+    match result {
+        Ok(Some(report)) => tracing::info!(
+            messages_deleted = report.messages,
+            idempotency_keys_deleted = report.idempotency_keys,
+            seconds,
+            "retention run finished"
+        ),
+        Ok(None) => tracing::debug!("retention is running on another replica"),
+        Err(e) => tracing::warn!(
+            error = %error_chain(&e),
+            "retention run failed; retrying at the next interval"
+        ),
+    }
 }

@@ -31,7 +31,7 @@ pub async fn purge_expired(
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
     let max_age = match body.get("max_age") {
-        Some(Value::Number(n)) => n.as_u64().filter(|seconds| *seconds >= 1),
+        Some(Value::Number(n)) => n.as_i64().filter(|seconds| *seconds >= 1),
         _ => None,
     }
     .ok_or_else(|| {
@@ -39,7 +39,7 @@ pub async fn purge_expired(
             "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
         )
     })?;
-    let cutoff = Timestamp::now().minus_seconds(max_age);
+    let cutoff = Timestamp::now().minus_seconds(max_age.unsigned_abs());
     let deleted = state.store.purge_expired(&tenant, cutoff).await?;
     metrics::counter!("chat_history_messages_purged_total").increment(deleted);
     Ok(Json(DeletedResponse { deleted }))

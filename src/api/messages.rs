@@ -24,15 +24,26 @@ const DEFAULT_LIMIT: u32 = 50;
 pub struct UserPath {
     /// The caller's key for this history: 1–256 bytes of UTF-8, no control
     /// characters, percent-encoded in the URL.
-    #[param(example = "+15551234567")]
+    #[param(
+        example = "+15551234567",
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\x00-\x1F\x7F-\x9F]+$"
+    )]
     pub(super) user_id: String,
 }
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Path)]
 pub struct MessagePath {
-    /// The caller's key for this history.
-    #[param(example = "+15551234567")]
+    /// The caller's key for this history: 1–256 bytes of UTF-8, no control
+    /// characters, percent-encoded in the URL.
+    #[param(
+        example = "+15551234567",
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\x00-\x1F\x7F-\x9F]+$"
+    )]
     pub(super) user_id: String,
     /// The message's sequence number.
     #[param(value_type = i64, minimum = 1, example = 42)]
@@ -71,7 +82,7 @@ pub struct HistoryParams {
     /// Only messages at most this many seconds old. Omitted: the server's
     /// default window (24 hours unless configured otherwise).
     #[param(minimum = 1, example = 3600)]
-    max_age: Option<u64>,
+    max_age: Option<i64>,
     /// Only messages with a smaller `seq` (page backwards).
     #[param(minimum = 0)]
     before: Option<i64>,
@@ -95,13 +106,13 @@ impl HistoryParams {
             ));
         }
         let max_age = match self.max_age {
-            Some(0) => {
+            Some(seconds) if seconds < 1 => {
                 return Err(ApiError::invalid_parameter(
                     "max_age",
                     "must be at least 1 (seconds)",
                 ))
             }
-            Some(seconds) => Some(seconds),
+            Some(seconds) => Some(seconds.unsigned_abs()),
             None => state.limits.default_window.map(|w| w.as_secs().max(1)),
         };
         for (name, bound) in [("before", self.before), ("after", self.after)] {
