@@ -23,6 +23,7 @@ use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
+use utoipa_swagger_ui::SwaggerUi;
 
 use crate::auth::{self, Access};
 use crate::domain::UserId;
@@ -264,10 +265,25 @@ pub fn router(state: AppState) -> Router {
     // such as a 405 with its `Allow` header; the request id is set before
     // anything logs and returned on every response.
     Router::new()
+        .merge(docs())
         .fallback_service(routes)
         .layer(middleware::from_fn(problem_for_bare_errors))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+}
+
+/// `/docs`: Swagger UI on `/openapi.json`, its assets compiled into the
+/// binary (the crate's vendored copy: nothing is fetched at build or run time).
+fn docs() -> Router {
+    SwaggerUi::new("/docs")
+        .config(
+            utoipa_swagger_ui::Config::new(["/openapi.json"])
+                // No badge that asks validator.swagger.io about the document.
+                .validator_url("none")
+                .try_it_out_enabled(true)
+                .persist_authorization(true),
+        )
+        .into()
 }
 
 /// Gives a problem+json body to error responses that axum or a layer made

@@ -142,3 +142,54 @@ async fn metrics_can_require_a_key() {
         "protecting needs keys"
     );
 }
+
+#[tokio::test]
+async fn docs_are_served_from_the_binary_and_stay_open() {
+    let (keys, _) = Access::from_entries(
+        ["ops:user:docs-reader-0123456789"].into_iter(),
+        |i| format!("entry {i}"),
+        None,
+    )
+    .unwrap();
+    let app = TestApp::with_access(Backend::Sqlite, Limits::default(), keys).await;
+    let get = |path: &'static str| {
+        let router = app.router.clone();
+        async move {
+            let response = router
+                .oneshot(request(Method::GET, path, None))
+                .await
+                .unwrap();
+            let status = response.status();
+            let content_type = response
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .map(|v| v.to_str().unwrap().to_string())
+                .unwrap_or_default();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (
+                status,
+                content_type,
+                String::from_utf8_lossy(&body).into_owned(),
+            )
+        }
+    };
+    let (status, _, _) = get("/docs").await;
+    assert!(status.is_redirection(), "{status}");
+    let (status, content_type, page) = get("/docs/").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(content_type.starts_with("text/html"), "{content_type}");
+    assert!(page.contains("swagger-ui"), "{page}");
+    assert!(
+        !page.contains("https://"),
+        "the page loads nothing from elsewhere"
+    );
+    let (status, _, script) = get("/docs/swagger-initializer.js").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(script.contains("/openapi.json"), "{script}");
+    assert!(script.contains(r#""validatorUrl": "none""#), "{script}");
+    for asset in ["/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css"] {
+        let (status, _, body) = get(asset).await;
+        assert_eq!(status, StatusCode::OK, "{asset}");
+        assert!(body.len() > 10_000, "{asset} is the real asset");
+    }
+}
