@@ -465,6 +465,14 @@ pub fn transcript_digest(messages: &[NewMessage]) -> [u8; 16] {
     short
 }
 
+/// Whether `messages` only adds to what the last save stored: its first
+/// `stored` messages digest to `saved` (the digest that save kept), so they
+/// need not be read back to be compared.
+pub fn extends_saved(saved: Option<&[u8]>, stored: usize, messages: &[NewMessage]) -> bool {
+    stored <= messages.len()
+        && (stored == 0 || saved == Some(&transcript_digest(&messages[..stored])[..]))
+}
+
 /// What replacing a transcript did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Saved {

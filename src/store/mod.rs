@@ -297,6 +297,30 @@ fn transcript_from(rows: Vec<(i64, String)>) -> Result<Option<Transcript>, Store
     Ok(Some(Transcript { messages, version }))
 }
 
+/// An idempotency record found for an append's key.
+struct SeenKey {
+    request_digest: Vec<u8>,
+    first_seq: i64,
+    created_at: Timestamp,
+    version: i64,
+}
+
+impl SeenKey {
+    /// The answer to a repeated key: what the first append stored when the
+    /// bodies are equal, a refusal when they are not.
+    fn outcome(
+        self,
+        key: &Idempotency,
+        messages: &[NewMessage],
+    ) -> Result<AppendOutcome, StoreError> {
+        if digest(&self.request_digest)? != key.request_digest() {
+            return Ok(AppendOutcome::KeyReused);
+        }
+        appended(messages, self.first_seq, self.created_at, self.version)
+            .map(AppendOutcome::Replayed)
+    }
+}
+
 /// A stored body as a raw JSON value.
 fn raw(body: String) -> Result<Box<serde_json::value::RawValue>, StoreError> {
     serde_json::value::RawValue::from_string(body).map_err(|e| StoreError::Corrupt(e.to_string()))

@@ -11,13 +11,14 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 
 use super::{
-    appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
-    ConnectOptions, PoolStatus, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH,
-    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    appended, assemble_page, latest_version, saved, transcript_from, users_page, ConnectOptions,
+    PoolStatus, RetentionReport, SeenKey, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
-    transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
-    SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId, UserStats, UserSummary,
+    extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
+    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId,
+    UserStats, UserSummary,
 };
 
 /// Messages deleted per retention transaction, at most.
@@ -85,9 +86,7 @@ impl PostgresStore {
         let version: i64 = row.get("version");
         let stored = row.get::<i64, _>("message_count") as usize;
         let known: Option<Vec<u8>> = row.get("transcript_digest");
-        let extends = stored <= messages.len()
-            && (stored == 0
-                || known.as_deref() == Some(&transcript_digest(&messages[..stored])[..]));
+        let extends = extends_saved(known.as_deref(), stored, messages);
         let admitted = if_match.is_none_or(|c| c.admits(version, stored as i64));
         if !extends || !admitted {
             return Ok(None);
@@ -482,15 +481,13 @@ impl Store for PostgresStore {
             .await?;
             if let Some(seen) = seen {
                 tx.commit().await?;
-                if digest(seen.get("request_digest"))? != key.request_digest() {
-                    return Ok(AppendOutcome::KeyReused);
+                return SeenKey {
+                    request_digest: seen.get("request_digest"),
+                    first_seq: seen.get("first_seq"),
+                    created_at: at(seen.get("created_at")),
+                    version: seen.get("version"),
                 }
-                return Ok(AppendOutcome::Replayed(appended(
-                    messages,
-                    seen.get("first_seq"),
-                    at(seen.get("created_at")),
-                    seen.get("version"),
-                )?));
+                .outcome(key, messages);
             }
         }
         let row = self

@@ -18,13 +18,14 @@ use std::collections::BTreeMap;
 use sqlx::{Sqlite, Transaction};
 
 use super::{
-    appended, assemble_page, digest, latest_version, saved, transcript_from, users_page,
-    ConnectOptions, PoolStatus, RetentionReport, Store, StoreError, CLEAR_USERS_PER_BATCH,
-    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    appended, assemble_page, latest_version, saved, transcript_from, users_page, ConnectOptions,
+    PoolStatus, RetentionReport, SeenKey, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
-    transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
-    SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId, UserStats, UserSummary,
+    extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
+    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId,
+    UserStats, UserSummary,
 };
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -330,15 +331,13 @@ impl Store for SqliteStore {
             .await?;
             if let Some(seen) = seen {
                 tx.commit().await?;
-                if digest(seen.get("request_digest"))? != key.request_digest() {
-                    return Ok(AppendOutcome::KeyReused);
+                return SeenKey {
+                    request_digest: seen.get("request_digest"),
+                    first_seq: seen.get("first_seq"),
+                    created_at: at(seen.get("created_at")),
+                    version: seen.get("version"),
                 }
-                return Ok(AppendOutcome::Replayed(appended(
-                    messages,
-                    seen.get("first_seq"),
-                    at(seen.get("created_at")),
-                    seen.get("version"),
-                )?));
+                .outcome(key, messages);
             }
         }
         let row = sqlx::query(UPSERT_USER)
@@ -432,9 +431,7 @@ impl Store for SqliteStore {
         }
         let stored = counters.get::<i64, _>("message_count") as usize;
         let known: Option<Vec<u8>> = counters.get("transcript_digest");
-        let extends = stored <= messages.len()
-            && (stored == 0
-                || known.as_deref() == Some(&transcript_digest(&messages[..stored])[..]));
+        let extends = extends_saved(known.as_deref(), stored, messages);
         let difference: Option<(i64, i64)> = if extends {
             // What the last save stored is a prefix of this transcript.
             None
