@@ -31,7 +31,7 @@ pub async fn purge_expired(
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
     let max_age = match body.get("max_age") {
-        Some(Value::Number(n)) => n.as_i64().filter(|seconds| *seconds >= 1),
+        Some(Value::Number(n)) => whole_seconds(n),
         _ => None,
     }
     .ok_or_else(|| {
@@ -39,10 +39,27 @@ pub async fn purge_expired(
             "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
         )
     })?;
-    let cutoff = Timestamp::now().minus_seconds(max_age.unsigned_abs());
+    let cutoff = Timestamp::now().minus_seconds(max_age);
     let deleted = state.store.purge_expired(&tenant, cutoff).await?;
     metrics::counter!("chat_history_messages_purged_total").increment(deleted);
     Ok(Json(DeletedResponse { deleted }))
+}
+
+/// A JSON number that is a whole number of seconds from 1 to `i64::MAX`, the
+/// documented `int64`. As in JSON Schema, `3600.0` is the integer 3600.
+fn whole_seconds(n: &serde_json::Number) -> Option<u64> {
+    const BEYOND_I64: f64 = 9_223_372_036_854_775_808.0;
+    let seconds = match n.as_i64() {
+        Some(seconds) => seconds,
+        None => {
+            let seconds = n.as_f64()?;
+            if seconds.fract() != 0.0 || !(0.0..BEYOND_I64).contains(&seconds) {
+                return None;
+            }
+            seconds as i64
+        }
+    };
+    u64::try_from(seconds).ok().filter(|seconds| *seconds >= 1)
 }
 
 /// Delete every message of every user.

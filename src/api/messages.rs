@@ -150,7 +150,8 @@ const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
     tag = "messages",
     params(
         UserPath,
-        ("Idempotency-Key" = Option<String>, Header, max_length = 255,
+        ("Idempotency-Key" = Option<String>, Header, min_length = 1, max_length = 255,
+            pattern = r"^[\x21-\x7E]([\x20-\x7E]*[\x21-\x7E])?$",
             description = "Makes the append safe to retry: the same key with an equal body returns the first response and stores nothing; with another body it is a 422. Kept at least 24 hours, per user."),
     ),
     request_body(content = MessageBatch, content_type = "application/json",
@@ -179,9 +180,18 @@ pub async fn append_messages(
     let idempotency = match headers.get(IDEMPOTENCY_KEY) {
         None => None,
         Some(value) => {
-            let key = value.to_str().map_err(|_| {
-                ApiError::invalid_parameter("Idempotency-Key", "use visible ASCII characters only")
-            })?;
+            // Visible ASCII and spaces: what the documented pattern admits
+            // (`to_str` would also pass a tab).
+            let key = value
+                .to_str()
+                .ok()
+                .filter(|key| !key.contains('\t'))
+                .ok_or_else(|| {
+                    ApiError::invalid_parameter(
+                        "Idempotency-Key",
+                        "use visible ASCII characters and spaces only",
+                    )
+                })?;
             Some(
                 Idempotency::new(key, &body)
                     .map_err(|e| ApiError::invalid_parameter("Idempotency-Key", e))?,

@@ -101,11 +101,13 @@ struct ApiDoc;
 /// Adds what every `/v1` operation shares instead of repeating it on each
 /// handler: the bearer scheme, and the answers of access control (401 no or
 /// unknown key, 403 `/v1/admin` without an admin key, 429 over the key's rate
-/// limit) and of an unavailable database (503).
+/// limit) and of an unavailable database (503). It also types optional
+/// headers as plain strings (see [`never_null`]).
 struct SharedResponses;
 
 impl utoipa::Modify for SharedResponses {
     fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::path::ParameterIn;
         use utoipa::openapi::security::{
             HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme,
         };
@@ -146,20 +148,35 @@ impl utoipa::Modify for SharedResponses {
                 continue;
             }
             let admin = path.starts_with("/v1/admin");
-            for operation in [
-                &mut item.get,
-                &mut item.put,
-                &mut item.post,
-                &mut item.delete,
-                &mut item.head,
+            for (operation, is_head) in [
+                (&mut item.get, false),
+                (&mut item.put, false),
+                (&mut item.post, false),
+                (&mut item.delete, false),
+                (&mut item.head, true),
             ]
             .into_iter()
-            .flatten()
+            .filter_map(|(operation, is_head)| Some((operation.as_mut()?, is_head)))
             {
-                operation.security = Some(vec![SecurityRequirement::new(
-                    "bearer",
-                    Vec::<String>::new(),
-                )]);
+                // A HEAD answer has no body, so its errors document none.
+                let problem = |description: &str| {
+                    if is_head {
+                        ResponseBuilder::new().description(description)
+                    } else {
+                        problem(description)
+                    }
+                };
+                for parameter in operation.parameters.iter_mut().flatten() {
+                    if parameter.parameter_in == ParameterIn::Header {
+                        never_null(parameter);
+                    }
+                }
+                // The key is needed only when the service has keys configured;
+                // the empty requirement says an open service takes none.
+                operation.security = Some(vec![
+                    SecurityRequirement::new("bearer", Vec::<String>::new()),
+                    SecurityRequirement::default(),
+                ]);
                 let responses = &mut operation.responses.responses;
                 responses.insert(
                     "401".into(),
@@ -207,6 +224,26 @@ impl utoipa::Modify for SharedResponses {
                     .build()
                     .into(),
                 );
+            }
+        }
+    }
+}
+
+/// An optional header is absent or a string: HTTP has no null. utoipa types
+/// an `Option<String>` header as `string | null`; generated clients would
+/// then accept a null where only a string can be sent.
+fn never_null(parameter: &mut utoipa::openapi::path::Parameter) {
+    use utoipa::openapi::schema::{Schema, SchemaType, Type};
+    use utoipa::openapi::RefOr;
+    if let Some(RefOr::T(Schema::Object(object))) = parameter.schema.as_mut() {
+        if let SchemaType::Array(types) = &object.schema_type {
+            let types: Vec<Type> = types
+                .iter()
+                .filter(|t| **t != Type::Null)
+                .cloned()
+                .collect();
+            if let [only] = types.as_slice() {
+                object.schema_type = SchemaType::Type(only.clone());
             }
         }
     }

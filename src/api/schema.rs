@@ -190,6 +190,16 @@ pub struct PurgeExpiredRequest {
 #[derive(ToSchema)]
 pub struct ClearAllRequest {
     /// Must be `true`: this deletes every message.
-    #[schema(example = true)]
+    #[schema(schema_with = only_true)]
     pub confirm: bool,
+}
+
+/// A boolean that admits one value, `true`: the request's own confirmation.
+fn only_true() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::Type::Boolean)
+        .enum_values(Some([true]))
+        .description(Some("Must be `true`: this deletes every message."))
+        .examples([true])
+        .build()
 }

@@ -25,7 +25,11 @@ pub struct ListUsersParams {
     #[param(minimum = 1, maximum = 1000, default = 100)]
     limit: Option<u32>,
     /// Start after this `user_id` (the last one of the previous page).
-    #[param(min_length = 1, max_length = 256)]
+    #[param(
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\x00-\x1F\x7F-\x9F]+$"
+    )]
     after: Option<String>,
 }
 

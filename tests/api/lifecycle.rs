@@ -16,6 +16,7 @@ use crate::support::{request, Backend, Reply, TestApp};
 on_both_backends!(
     a_retry_with_the_same_key_replays_and_stores_nothing,
     the_same_key_with_another_body_is_422,
+    a_key_outside_its_documented_form_is_400,
     keys_are_scoped_to_the_user,
     bad_keys_are_400,
     concurrent_duplicates_store_once,
@@ -101,6 +102,19 @@ async fn the_same_key_with_another_body_is_422(backend: Backend) {
         .problem(StatusCode::UNPROCESSABLE_ENTITY);
     assert!(detail.contains("Idempotency-Key"), "{detail}");
     assert_eq!(app.get("/v1/users/u").await.body["message_count"], 2);
+}
+
+async fn a_key_outside_its_documented_form_is_400(backend: Backend) {
+    let app = TestApp::new(backend).await;
+    for bad in ["with\ttab", &"k".repeat(256)] {
+        let detail = post_with_key(&app, "u", bad, &batch("a"))
+            .await
+            .problem(StatusCode::BAD_REQUEST);
+        assert!(detail.contains("Idempotency-Key"), "{detail}");
+    }
+    app.get("/v1/users/u").await.problem(StatusCode::NOT_FOUND);
+    let spaced = post_with_key(&app, "u", "a key with spaces", &batch("a")).await;
+    assert_eq!(spaced.status, StatusCode::CREATED, "{}", spaced.body);
 }
 
 async fn keys_are_scoped_to_the_user(backend: Backend) {
@@ -192,9 +206,13 @@ async fn purge_expired_deletes_only_what_is_older(backend: Backend) {
     app.get("/v1/users/v").await.problem(StatusCode::NOT_FOUND);
     assert_eq!(app.get("/v1/users/w").await.body["version"], 1);
     let again = app
-        .post_json("/v1/admin/purge-expired", &json!({"max_age": 3600}))
+        .post_json("/v1/admin/purge-expired", &json!({"max_age": 3600.0}))
         .await;
-    assert_eq!(again.body, json!({"deleted": 0}));
+    assert_eq!(
+        again.body,
+        json!({"deleted": 0}),
+        "3600.0 is the whole number 3600, as JSON Schema counts integers"
+    );
     let users = app.get("/v1/users").await;
     assert_eq!(users.body["users"].as_array().unwrap().len(), 2);
 }
@@ -248,6 +266,9 @@ async fn admin_bodies_are_checked(backend: Backend) {
         json!({"max_age": -1}),
         json!({"max_age": "3600"}),
         json!({"max_age": 1.5}),
+        json!({"max_age": 0.0}),
+        json!({"max_age": 9_223_372_036_854_775_808_u64}),
+        json!({"max_age": 1e19}),
         json!([]),
     ] {
         app.post_json("/v1/admin/purge-expired", &bad)
