@@ -72,6 +72,7 @@ pub struct AppendResponse {
     #[schema(value_type = Vec<StoredMessageSchema>)]
     pub messages: Vec<StoredMessage>,
     /// The user's version after this write.
+    #[schema(example = 17)]
     pub version: i64,
 }
 
@@ -84,6 +85,7 @@ pub struct HistoryResponse {
     pub messages: Vec<StoredMessage>,
     /// More messages passing the same filters lie beyond this page, in its
     /// direction: older ones without `after`, newer ones with it.
+    #[schema(example = false)]
     pub has_more: bool,
 }
 
@@ -130,6 +132,7 @@ pub struct UserSummaryResponse {
 pub struct UserListResponse {
     pub users: Vec<UserSummaryResponse>,
     /// More users follow; ask again with `after` set to the last `user_id`.
+    #[schema(example = false)]
     pub has_more: bool,
 }
 

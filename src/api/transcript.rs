@@ -22,7 +22,8 @@ fn etag(version: i64) -> HeaderValue {
 /// Load a whole transcript.
 ///
 /// Every message, verbatim and in order (no age window), with the version as
-/// `ETag`. 404 when the user has no messages.
+/// `ETag`. 404 when the user has no messages, still with the version as
+/// `ETag`, for a save that must not overwrite a transcript created meanwhile.
 #[utoipa::path(
     get,
     path = "/v1/users/{user_id}/transcript",
@@ -33,7 +34,8 @@ fn etag(version: i64) -> HeaderValue {
         (status = 200, description = "The transcript", body = TranscriptResponse,
             headers(("ETag" = String, description = "The version, quoted: `\"17\"`"))),
         (status = 400, description = "A bad `user_id`", body = Problem, content_type = "application/problem+json"),
-        (status = 404, description = "No transcript: the user has no messages", body = Problem, content_type = "application/problem+json"),
+        (status = 404, description = "No transcript: the user has no messages", body = Problem, content_type = "application/problem+json",
+            headers(("ETag" = String, description = "The user's version all the same, quoted (`\"0\"` for a user never written): send it as `If-Match` to create the transcript only if nobody else has"))),
     )
 )]
 pub async fn get_transcript(
@@ -42,21 +44,21 @@ pub async fn get_transcript(
     Path(path): Path<UserPath>,
 ) -> Result<Response, ApiError> {
     let user = user_id(path.user_id)?;
-    let transcript = state
-        .store
-        .transcript(&tenant, &user)
-        .await?
-        .ok_or_else(|| ApiError::NotFound(format!("user {:?} has no transcript", user.as_str())))?;
-    let version = transcript.version;
-    Ok((
-        [(header::ETAG, etag(version))],
-        Json(TranscriptResponse {
+    let transcript = state.store.transcript(&tenant, &user).await?;
+    let version = transcript.as_ref().map_or(0, |t| t.version);
+    let response = match transcript {
+        Some(transcript) if !transcript.messages.is_empty() => Json(TranscriptResponse {
             user_id: user,
             messages: transcript.messages,
             version,
-        }),
-    )
-        .into_response())
+        })
+        .into_response(),
+        // Still the version: a save that creates the transcript can name it in
+        // If-Match, and so cannot overwrite one another client created first.
+        _ => ApiError::NotFound(format!("user {:?} has no transcript", user.as_str()))
+            .into_response(),
+    };
+    Ok(([(header::ETAG, etag(version))], response).into_response())
 }
 
 /// Replace a whole transcript.

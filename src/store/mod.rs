@@ -115,7 +115,8 @@ pub trait Store: Send + Sync + 'static {
         idempotency: Option<&Idempotency>,
     ) -> Result<AppendOutcome, StoreError>;
 
-    /// The whole transcript, or `None` when the user has no messages.
+    /// The whole transcript; empty, with the user's version, for a user whose
+    /// messages are all gone; `None` for a user never written (version 0).
     async fn transcript(
         &self,
         tenant: &Tenant,
@@ -284,15 +285,17 @@ fn users_page(
     Ok((users, has_more))
 }
 
-/// A transcript from its rows of (version, message) in `seq` order; none
-/// without rows.
-fn transcript_from(rows: Vec<(i64, String)>) -> Result<Option<Transcript>, StoreError> {
+/// A transcript from its rows of (version, message) in `seq` order, as the
+/// user row left-joined to its messages gives them: none without rows (a
+/// user never written), and one row with no message for a user with none.
+fn transcript_from(rows: Vec<(i64, Option<String>)>) -> Result<Option<Transcript>, StoreError> {
     let Some(version) = rows.first().map(|(version, _)| *version) else {
         return Ok(None);
     };
     let messages = rows
         .into_iter()
-        .map(|(_, body)| raw(body))
+        .filter_map(|(_, body)| body)
+        .map(raw)
         .collect::<Result<_, _>>()?;
     Ok(Some(Transcript { messages, version }))
 }

@@ -308,7 +308,7 @@ SELECT version FROM u
 const TRANSCRIPT: &str = r#"
 SELECT u.version, m.message
 FROM chat_users u
-JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
+LEFT JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
 WHERE u.tenant = $1 AND u.user_id = $2
 ORDER BY m.seq
 "#;

@@ -20,6 +20,7 @@ on_both_backends!(
     transcript_saves_respect_the_cap,
     transcript_bodies_are_validated,
     saves_after_other_writes_compare_the_stored_messages,
+    a_missing_transcript_still_names_its_version,
 );
 
 fn turns(n: usize) -> Vec<Value> {
@@ -378,4 +379,34 @@ async fn saves_after_other_writes_compare_the_stored_messages(backend: Backend) 
     let stats = app.get("/v1/users/s").await;
     assert_eq!(stats.body["message_count"], 2);
     assert_eq!(stats.body["version"], 8);
+}
+
+/// The 404 of a transcript carries the user's version, so that a client can
+/// create the transcript with `If-Match` and never overwrite one that another
+/// client created after its load.
+async fn a_missing_transcript_still_names_its_version(backend: Backend) {
+    let app = TestApp::new(backend).await;
+    let never = app.get("/v1/users/s/transcript").await;
+    assert_eq!(etag(&never), "\"0\"");
+    never.problem(StatusCode::NOT_FOUND);
+
+    // Two clients load the missing transcript; the first save wins.
+    let first = put(&app, "s", &turns(2), Some("\"0\"")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    put(&app, "s", &turns(3), Some("\"0\""))
+        .await
+        .problem(StatusCode::PRECONDITION_FAILED);
+    assert_eq!(
+        app.get("/v1/users/s/transcript").await.body["messages"],
+        Value::Array(turns(2))
+    );
+
+    // After a clear, the version goes on.
+    assert_eq!(app.delete("/v1/users/s").await.status, StatusCode::OK);
+    let cleared = app.get("/v1/users/s/transcript").await;
+    assert_eq!(etag(&cleared), "\"2\"");
+    cleared.problem(StatusCode::NOT_FOUND);
+    let again = put(&app, "s", &turns(1), Some("\"2\"")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    assert_eq!(etag(&again), "\"3\"");
 }
