@@ -54,14 +54,22 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
-/// Prometheus metrics: requests by route and status, latency, database
-/// pool, messages appended and purged, retention runs.
+/// Prometheus metrics.
+///
+/// Requests by route and status, latency, database pool, messages appended
+/// and purged, retention runs. Open unless CHAT_HISTORY_METRICS_REQUIRE_KEY
+/// is set.
 #[utoipa::path(
     get,
     path = "/metrics",
     operation_id = "getMetrics",
     tag = "operations",
-    responses((status = 200, description = "Prometheus text exposition format", content_type = "text/plain", body = String))
+    security(("bearer" = []), ()),
+    responses(
+        (status = 200, description = "Prometheus text exposition format", content_type = "text/plain", body = String),
+        (status = 401, description = "No API key, or an unknown one, while CHAT_HISTORY_METRICS_REQUIRE_KEY is set", body = Problem, content_type = "application/problem+json",
+            headers(("WWW-Authenticate" = String, description = "`Bearer realm=\"chat-history\"`"))),
+    )
 )]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     let pool = state.store.pool_status();
