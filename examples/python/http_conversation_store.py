@@ -13,12 +13,12 @@ conversation, and it survives restarts:
     llm = create_client(base_url="https://api.openai.com/v1", style="openai", model="gpt-4o-mini", store=store)
     result = await llm.ask("Hello!", id="whatsapp:+15551234567")
 
-Saves are optimistic: `save` sends the version that this store last loaded
-or saved for that id as `If-Match`, so a save that would overwrite a newer
-transcript (another process answered in between, or started the same new
-conversation first) raises `TranscriptConflict` and changes nothing.
-Re-running the turn loads the newer transcript first. Only a save of a
-conversation this store has never loaded is unconditional.
+Saves are optimistic: `save` sends the version that the calling task last
+loaded or saved for that id as `If-Match`, so a save that would overwrite a
+newer transcript (another process or task answered in between, or started
+the same new conversation first) raises `TranscriptConflict` and changes
+nothing. Re-running the turn loads the newer transcript first. Only a save
+of a conversation the task has never loaded is unconditional.
 
 Saving a transcript that extends the stored one costs about what appending
 the new messages costs: chat-history keeps the common prefix as it is.
@@ -28,7 +28,8 @@ Needs only httpx (`pip install httpx`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextvars import ContextVar
+from typing import Any, Mapping, Optional
 from urllib.parse import quote
 
 import httpx
@@ -60,23 +61,27 @@ class HttpConversationStore:
     ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        # The version (ETag) of each conversation as this store last saw it.
-        self._etags: dict[str, str] = {}
+        # The version (ETag) of each conversation as this task last loaded or
+        # saved it. Per task, not per store: toolnexus' ask() loads and saves in
+        # one task, and two turns of one conversation answered at once by this
+        # process must each save against the version they loaded.
+        self._etags: ContextVar[Mapping[str, str]] = ContextVar(f"chat_history_etags_{id(self)}", default={})
 
     async def get(self, id: str) -> Optional[list[dict[str, Any]]]:  # noqa: A002 (the protocol's name)
         """The whole transcript, verbatim and in order, or None when there is none."""
         response = await self._http.get(_path(id))
         if response.status_code == 404 and "ETag" in response.headers:
             # No transcript yet, and the version a save must find to create it.
-            self._etags[id] = response.headers["ETag"]
+            self._remember(id, response.headers["ETag"])
             return None
         body = _json_or_raise(response)
-        self._etags[id] = response.headers["ETag"]
+        self._remember(id, response.headers["ETag"])
         return body["messages"]
 
     async def save(self, id: str, messages: list[dict[str, Any]]) -> None:  # noqa: A002
-        """Replace the transcript, if it is still the version this store last saw."""
-        headers = {"If-Match": self._etags[id]} if id in self._etags else {}
+        """Replace the transcript, if it is still the version this task loaded."""
+        etag = self._etags.get().get(id)
+        headers = {"If-Match": etag} if etag else {}
         response = await self._http.put(_path(id), json={"messages": messages}, headers=headers)
         if response.status_code == 412:
             raise TranscriptConflict(
@@ -84,7 +89,12 @@ class HttpConversationStore:
                 f"{response.headers.get('ETag')}); load it again and retry the turn"
             )
         _json_or_raise(response)
-        self._etags[id] = response.headers["ETag"]
+        self._remember(id, response.headers["ETag"])
+
+    def _remember(self, conversation_id: str, etag: str) -> None:
+        # A new mapping, never an update in place: tasks started from this one
+        # hold the old mapping, and must keep seeing what they loaded.
+        self._etags.set({**self._etags.get(), conversation_id: etag})
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -9,6 +9,8 @@ and a fake OpenAI-compatible model server on loopback.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import os
 import threading
@@ -38,9 +40,13 @@ class FakeModel(BaseHTTPRequestHandler):
     """
 
     requests: list[list[dict[str, Any]]] = []
+    # When set, each request waits here for the others: the calls are in flight together.
+    barrier: threading.Barrier | None = None
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if FakeModel.barrier is not None:
+            FakeModel.barrier.wait(timeout=10)
         messages = payload["messages"]
         FakeModel.requests.append(messages)
         last = messages[-1]
@@ -129,11 +135,16 @@ class HttpConversationStoreTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(response.status_code, 200, response.text)
         return response.json()["messages"]
 
-    async def test_it_is_a_conversation_store(self) -> None:
+    def test_it_has_the_protocols_methods(self) -> None:
+        for name in ("get", "save"):
+            ours, theirs = getattr(HttpConversationStore, name), getattr(ConversationStore, name)
+            self.assertTrue(inspect.iscoroutinefunction(ours), name)
+            self.assertEqual(
+                list(inspect.signature(ours).parameters), list(inspect.signature(theirs).parameters), name
+            )
+
+    async def test_an_unknown_conversation_is_none(self) -> None:
         async with HttpConversationStore(HISTORY_URL, api_key=API_KEY) as store:
-            self.assertIsInstance(store, HttpConversationStore)
-            # The protocol's two methods, with its signatures.
-            _: ConversationStore = store
             self.assertIsNone(await store.get(self.conversation))
 
     async def test_a_second_client_resumes_the_conversation(self) -> None:
@@ -198,6 +209,55 @@ class HttpConversationStoreTest(unittest.IsolatedAsyncioTestCase):
             with self.assertRaises(TranscriptConflict):
                 await other.save(self.conversation, [{"role": "user", "content": "My name is Grace."}])
             self.assertEqual(await self.stored(), [{"role": "user", "content": "My name is Ada."}])
+
+    async def test_two_turns_at_once_in_one_process_do_not_overwrite(self) -> None:
+        async with HttpConversationStore(HISTORY_URL, api_key=API_KEY) as store:
+            llm = self.llm(store)
+            await llm.ask("My name is Ada.", id=self.conversation)
+            before = await self.stored()
+            # Two messages of one user arrive together: both turns load the
+            # same transcript (the model answers neither until it has both
+            # calls); the second to save must not erase the first.
+            FakeModel.barrier = threading.Barrier(2)
+            try:
+                results = await asyncio.gather(
+                    llm.ask("First at once.", id=self.conversation),
+                    llm.ask("Second at once.", id=self.conversation),
+                    return_exceptions=True,
+                )
+            finally:
+                FakeModel.barrier = None
+            conflicts = [r for r in results if isinstance(r, TranscriptConflict)]
+            answers = [r for r in results if not isinstance(r, BaseException)]
+            self.assertEqual((len(conflicts), len(answers)), (1, 1), results)
+            self.assertEqual(await self.stored(), answers[0].messages)
+            self.assertEqual(len(answers[0].messages), len(before) + 2)
+
+    async def test_each_task_saves_against_the_version_it_loaded(self) -> None:
+        first = [{"role": "user", "content": "My name is Ada."}]
+        async with HttpConversationStore(HISTORY_URL, api_key=API_KEY) as store:
+            await store.save(self.conversation, first)
+            a_loaded, b_loaded, a_saved = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+            async def turn_a() -> None:
+                history = await store.get(self.conversation)
+                a_loaded.set()
+                await b_loaded.wait()
+                await store.save(self.conversation, history + [{"role": "assistant", "content": "A"}])
+                a_saved.set()
+
+            async def turn_b() -> None:
+                await a_loaded.wait()
+                history = await store.get(self.conversation)
+                b_loaded.set()
+                # B saves only after A has: against the version B loaded, now stale.
+                await a_saved.wait()
+                await store.save(self.conversation, history + [{"role": "assistant", "content": "B"}])
+
+            a, b = await asyncio.gather(turn_a(), turn_b(), return_exceptions=True)
+            self.assertIsNone(a)
+            self.assertIsInstance(b, TranscriptConflict)
+            self.assertEqual(await self.stored(), first + [{"role": "assistant", "content": "A"}])
 
 
 if __name__ == "__main__":
