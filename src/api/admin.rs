@@ -20,8 +20,6 @@ use crate::error::{ApiError, Problem};
     responses(
         (status = 200, description = "Deleted", body = DeletedResponse),
         (status = 400, description = "Malformed JSON", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "`max_age` missing, not a whole number, or below 1", body = Problem, content_type = "application/problem+json"),
     )
 )]
@@ -72,8 +70,6 @@ fn whole_seconds(n: &serde_json::Number) -> Option<u64> {
     responses(
         (status = 200, description = "Deleted", body = DeletedResponse),
         (status = 400, description = "Malformed JSON, or `confirm` is not `true`", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn clear_all(

@@ -164,8 +164,6 @@ const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
         (status = 201, description = "Stored, in order", body = AppendResponse,
             headers(("Idempotent-Replayed" = String, description = "`true` when this replays an earlier append with the same Idempotency-Key"))),
         (status = 400, description = "Malformed JSON, a bad `user_id` or a bad Idempotency-Key", body = Problem, content_type = "application/problem+json"),
-        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Valid JSON that breaks a rule: no `role`, empty batch, batch over `max_batch`, NUL in a string, Idempotency-Key reused with another body", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -101,8 +101,10 @@ struct ApiDoc;
 /// Adds what every `/v1` operation shares instead of repeating it on each
 /// handler: the bearer scheme, and the answers of access control (401 no or
 /// unknown key, 403 `/v1/admin` without an admin key, 429 over the key's rate
-/// limit) and of an unavailable database (503). It also types optional
-/// headers as plain strings (see [`never_null`]).
+/// limit) and of an unavailable database (503); and, on every operation that
+/// takes a body, the answers of the shared `JsonBody` extractor (413 too
+/// large, 415 not JSON). It also types optional headers as plain strings
+/// (see [`never_null`]).
 struct SharedResponses;
 
 impl utoipa::Modify for SharedResponses {
@@ -178,6 +180,13 @@ impl utoipa::Modify for SharedResponses {
                     SecurityRequirement::default(),
                 ]);
                 let responses = &mut operation.responses.responses;
+                if operation.request_body.is_some() {
+                    responses.insert(
+                        "413".into(),
+                        problem("Body over `max_body_bytes`").build().into(),
+                    );
+                    responses.insert("415".into(), problem("Body is not JSON").build().into());
+                }
                 responses.insert(
                     "401".into(),
                     problem("No API key, or an unknown one")

@@ -89,8 +89,6 @@ pub async fn get_transcript(
         (status = 400, description = "Malformed JSON or a bad `user_id`", body = Problem, content_type = "application/problem+json"),
         (status = 412, description = "`If-Match` names a version that is not current; nothing changed", body = Problem, content_type = "application/problem+json",
             headers(("ETag" = String, description = "The current version, quoted"))),
-        (status = 413, description = "Body over `max_body_bytes`", body = Problem, content_type = "application/problem+json"),
-        (status = 415, description = "Body is not JSON", body = Problem, content_type = "application/problem+json"),
         (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string", body = Problem, content_type = "application/problem+json"),
     )
 )]

@@ -20,6 +20,22 @@ fn read_response(stream: &mut TcpStream) -> String {
     response
 }
 
+/// Starts appending one message with `content` to user `u`: sends the
+/// request head and the first bytes of the body, and returns the connection
+/// with the rest of the body, to be written when the test chooses.
+fn start_slow_append(address: SocketAddr, content: &str) -> (TcpStream, String) {
+    let body = serde_json::json!({"messages": [{"role": "user", "content": content}]}).to_string();
+    let (head, tail) = body.split_at(20);
+    let mut stream = TcpStream::connect(address).unwrap();
+    write!(
+        stream,
+        "POST /v1/users/u/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{head}",
+        body.len()
+    )
+    .unwrap();
+    (stream, tail.to_string())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_flight_requests_finish_and_new_connections_are_refused() {
     let db = TestDb::new(Backend::Sqlite).await;
@@ -32,15 +48,7 @@ async fn in_flight_requests_finish_and_new_connections_are_refused() {
     }));
 
     // A request whose body is still arriving when the shutdown starts.
-    let body = r#"{"messages":[{"role":"user","content":"sent slowly"}]}"#;
-    let (head, tail) = body.split_at(20);
-    let mut slow = TcpStream::connect(address).unwrap();
-    write!(
-        slow,
-        "POST /v1/users/u/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{head}",
-        body.len()
-    )
-    .unwrap();
+    let (mut slow, tail) = start_slow_append(address, "sent slowly");
     // Give the server time to accept the connection and start reading.
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.send(()).unwrap();
@@ -131,15 +139,7 @@ async fn sigterm_drains_and_exits_zero() {
     );
 
     // A request still arriving when the signal comes.
-    let body = r#"{"messages":[{"role":"user","content":"in flight"}]}"#;
-    let (head, tail) = body.split_at(20);
-    let mut slow = TcpStream::connect(address).unwrap();
-    write!(
-        slow,
-        "POST /v1/users/u/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{head}",
-        body.len()
-    )
-    .unwrap();
+    let (mut slow, tail) = start_slow_append(address, "in flight");
     std::thread::sleep(Duration::from_millis(300));
 
     let status = Command::new("kill")
