@@ -54,10 +54,7 @@ async fn run(backend: &str, store: Arc<dyn Store>, messages: usize) {
         tokio::spawn(async move {
             let started = Instant::now();
             let deleted = store
-                .purge_expired(
-                    &Tenant::default_tenant(),
-                    Timestamp::now().minus_seconds(86_400),
-                )
+                .purge_expired(&Tenant::default_tenant(), Duration::from_secs(86_400))
                 .await
                 .unwrap();
             done.store(true, Ordering::SeqCst);

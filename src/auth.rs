@@ -193,6 +193,11 @@ impl Access {
     }
 }
 
+/// The tenant of the key a request was authenticated with, put in the
+/// request by [`authorize`]; only the `Tenant` extractor reads it.
+#[derive(Debug, Clone)]
+pub struct Verified(pub Tenant);
+
 /// The token of an `Authorization: Bearer <token>` header.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
@@ -252,11 +257,14 @@ pub async fn authorize(
             return response;
         }
     }
-    request.extensions_mut().insert(key.tenant.clone());
+    request
+        .extensions_mut()
+        .insert(Verified(key.tenant.clone()));
     next.run(request).await
 }
 
-fn unauthorized() -> Response {
+/// 401 with `WWW-Authenticate: Bearer`.
+pub fn unauthorized() -> Response {
     let mut response = Problem::new(
         StatusCode::UNAUTHORIZED,
         "send a valid API key as `Authorization: Bearer <key>`",

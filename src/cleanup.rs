@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::domain::{Timestamp, IDEMPOTENCY_KEY_TTL_SECONDS};
+use crate::domain::IDEMPOTENCY_KEY_TTL_SECONDS;
 use crate::error::error_chain;
 use crate::store::Store;
 
@@ -39,11 +39,10 @@ pub fn spawn(
 }
 
 async fn run_once(store: &dyn Store, retention: Option<Duration>) {
-    let now = Timestamp::now();
-    let cutoff = retention.map(|r| now.minus_seconds(r.as_secs()));
-    let keys_cutoff = now.minus_seconds(IDEMPOTENCY_KEY_TTL_SECONDS);
+    // The store takes the cutoffs from the database's clock, not this one.
+    let keys_ttl = Duration::from_secs(IDEMPOTENCY_KEY_TTL_SECONDS);
     let started = Instant::now();
-    let result = store.retention_pass(cutoff, keys_cutoff).await;
+    let result = store.retention_pass(retention, keys_ttl).await;
     let seconds = started.elapsed().as_secs_f64();
     // Metrics first, so that whoever reads the log line finds them counted.
     let outcome = match &result {

@@ -1,7 +1,9 @@
 //! Command line and environment: every setting is a flag with an environment
-//! fallback. Malformed values, and `CHAT_HISTORY_*` variables that name no
-//! setting, stop start-up with a message that names the setting.
+//! fallback. A malformed or out-of-range value stops start-up with a message
+//! that names the setting; a `CHAT_HISTORY_*` variable that names no setting
+//! is a warning, never a stop, because the environment is shared.
 
+use std::ffi::OsString;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -10,9 +12,8 @@ use std::time::Duration;
 
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 
-use crate::api::Limits;
 use crate::auth::{Access, Rate};
-use crate::store::{redact_url, ConnectOptions};
+use crate::store::{ConnectOptions, DatabaseUrl};
 
 /// Prefix of the service's own environment variables.
 const ENV_PREFIX: &str = "CHAT_HISTORY_";
@@ -39,6 +40,69 @@ pub enum Command {
     Healthcheck,
 }
 
+/// The largest values the count and size settings accept: beyond them a
+/// value is a mistake (or an attempt at "unlimited", which is `off`).
+pub mod maximum {
+    use std::time::Duration;
+
+    pub const MAX_BATCH: u64 = 10_000;
+    pub const MAX_MESSAGES_PER_USER: u64 = 100_000_000;
+    pub const MAX_TRANSCRIPT_MESSAGES: u64 = 1_000_000;
+    pub const MAX_BODY_BYTES: usize = 1 << 30;
+    pub const MAX_IN_FLIGHT_BODY_BYTES: usize = 64 << 30;
+    pub const DB_MAX_CONNECTIONS: u64 = 1_000;
+    pub const MAX_CONNECTIONS: u64 = 1_000_000;
+    pub const MAX_IN_FLIGHT: u64 = 1_000_000;
+    /// Retention and the default window: a century.
+    pub const AGE: Duration = Duration::from_secs(100 * 365 * 86_400);
+    /// Timeouts and the cleanup interval: a day.
+    pub const WAIT: Duration = Duration::from_secs(86_400);
+}
+
+/// The request-shaping settings of the service, as handlers and the
+/// listener use them.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Most messages one append may carry.
+    pub max_batch: usize,
+    /// Most messages one transcript save may carry.
+    pub max_transcript_messages: usize,
+    /// Oldest messages are evicted past this many per user.
+    pub max_messages_per_user: Option<u64>,
+    /// The age window of a history read that names no `max_age`.
+    pub default_window: Option<Duration>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// The bodies of all requests in flight together, in bytes.
+    pub max_in_flight_body_bytes: usize,
+    /// A request still running after this gets a 503, so shutdown cannot hang.
+    pub request_timeout: Duration,
+    /// A request head must arrive within this; idle keep-alive connections
+    /// are closed after it too.
+    pub header_timeout: Duration,
+    /// Open client connections.
+    pub max_connections: usize,
+    /// Requests being handled at once.
+    pub max_in_flight: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_batch: 1000,
+            max_transcript_messages: 10_000,
+            max_messages_per_user: None,
+            default_window: Some(Duration::from_secs(24 * 60 * 60)),
+            max_body_bytes: 8 * 1024 * 1024,
+            max_in_flight_body_bytes: 256 * 1024 * 1024,
+            request_timeout: Duration::from_secs(30),
+            header_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            max_in_flight: 512,
+        }
+    }
+}
+
 #[derive(Clone, Args)]
 pub struct Config {
     /// Where messages live: `sqlite://PATH` (created on first start) or
@@ -48,9 +112,10 @@ pub struct Config {
         env = "DATABASE_URL",
         default_value = "sqlite://chat-history.db",
         hide_env_values = true,
+        hide_default_value = false,
         global = true
     )]
-    pub database_url: String,
+    pub database_url: DatabaseUrl,
 
     /// Address and port to listen on.
     #[arg(
@@ -61,74 +126,139 @@ pub struct Config {
     )]
     pub bind: SocketAddr,
 
-    /// Delete messages older than this (`30d`, `12h`, …), or `off`.
+    /// Delete messages older than this (`30d`, `12h`, …; at most 100 years), or `off`.
     #[arg(
         long,
         env = "CHAT_HISTORY_RETENTION",
         default_value = "30d",
+        value_parser = OrOff::parser(Seconds::parser(maximum::AGE)),
         global = true
     )]
     pub retention: OrOff<Seconds>,
 
-    /// How often the retention task runs.
+    /// How often the retention task runs (at most 1d).
     #[arg(
         long,
         env = "CHAT_HISTORY_CLEANUP_INTERVAL",
         default_value = "5m",
+        value_parser = Seconds::parser(maximum::WAIT),
         global = true
     )]
     pub cleanup_interval: Seconds,
 
-    /// The age window of a history read without `max_age`, or `off`.
+    /// The age window of a history read without `max_age` (at most 100
+    /// years), or `off`.
     #[arg(
         long,
         env = "CHAT_HISTORY_DEFAULT_WINDOW",
         default_value = "24h",
+        value_parser = OrOff::parser(Seconds::parser(maximum::AGE)),
         global = true
     )]
     pub default_window: OrOff<Seconds>,
 
-    /// Keep at most this many messages per user, evicting the oldest, or `off`.
+    /// Keep at most this many messages per user, evicting the oldest (at
+    /// most 100000000), or `off`.
     #[arg(
         long,
         env = "CHAT_HISTORY_MAX_MESSAGES_PER_USER",
         default_value = "off",
+        value_parser = OrOff::parser(Count::parser(maximum::MAX_MESSAGES_PER_USER)),
         global = true
     )]
     pub max_messages_per_user: OrOff<Count>,
 
-    /// Most messages one append may carry.
+    /// Most messages one append may carry (at most 10000).
     #[arg(
         long,
         env = "CHAT_HISTORY_MAX_BATCH",
         default_value = "1000",
+        value_parser = Count::parser(maximum::MAX_BATCH),
         global = true
     )]
     pub max_batch: Count,
 
-    /// Largest request body accepted: bytes, or with KiB/MiB/GiB.
+    /// Most messages one transcript save may carry (at most 1000000).
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_MAX_TRANSCRIPT_MESSAGES",
+        default_value = "10000",
+        value_parser = Count::parser(maximum::MAX_TRANSCRIPT_MESSAGES),
+        global = true
+    )]
+    pub max_transcript_messages: Count,
+
+    /// Largest request body accepted: bytes, or with KiB/MiB/GiB (at most 1GiB).
     #[arg(
         long,
         env = "CHAT_HISTORY_MAX_BODY_BYTES",
         default_value = "8MiB",
+        value_parser = ByteSize::parser(maximum::MAX_BODY_BYTES),
         global = true
     )]
     pub max_body_bytes: ByteSize,
 
-    /// A request running longer than this gets a 503 (and shutdown waits no longer).
+    /// The bodies of all requests in flight together, at most (at most
+    /// 64GiB); a request that would go past it gets 503.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES",
+        default_value = "256MiB",
+        value_parser = ByteSize::parser(maximum::MAX_IN_FLIGHT_BODY_BYTES),
+        global = true
+    )]
+    pub max_in_flight_body_bytes: ByteSize,
+
+    /// A request running longer than this gets a 503, and shutdown waits no
+    /// longer (at most 1d).
     #[arg(
         long,
         env = "CHAT_HISTORY_REQUEST_TIMEOUT",
         default_value = "30s",
+        value_parser = Seconds::parser(maximum::WAIT),
         global = true
     )]
     pub request_timeout: Seconds,
 
-    /// Database connections in the pool (SQLite: read connections).
+    /// A request's head must arrive within this, and a keep-alive connection
+    /// waiting this long for its next request is closed (at most 1d).
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_HEADER_TIMEOUT",
+        default_value = "30s",
+        value_parser = Seconds::parser(maximum::WAIT),
+        global = true
+    )]
+    pub header_timeout: Seconds,
+
+    /// Open client connections, at most (at most 1000000); past it a new
+    /// connection gets 503 and is closed.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_MAX_CONNECTIONS",
+        default_value = "1024",
+        value_parser = Count::parser(maximum::MAX_CONNECTIONS),
+        global = true
+    )]
+    pub max_connections: Count,
+
+    /// Requests being handled at once, at most (at most 1000000); past it
+    /// a request gets 503.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_MAX_IN_FLIGHT",
+        default_value = "512",
+        value_parser = Count::parser(maximum::MAX_IN_FLIGHT),
+        global = true
+    )]
+    pub max_in_flight: Count,
+
+    /// Database connections in the pool (SQLite: read connections; at most 1000).
     #[arg(
         long,
         env = "CHAT_HISTORY_DB_MAX_CONNECTIONS",
         default_value = "10",
+        value_parser = Count::parser(maximum::DB_MAX_CONNECTIONS),
         global = true
     )]
     pub db_max_connections: Count,
@@ -178,15 +308,20 @@ pub struct Config {
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("database_url", &redact_url(&self.database_url))
+            .field("database_url", &self.database_url)
             .field("bind", &self.bind)
             .field("retention", &self.retention)
             .field("cleanup_interval", &self.cleanup_interval)
             .field("default_window", &self.default_window)
             .field("max_messages_per_user", &self.max_messages_per_user)
             .field("max_batch", &self.max_batch)
+            .field("max_transcript_messages", &self.max_transcript_messages)
             .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_in_flight_body_bytes", &self.max_in_flight_body_bytes)
             .field("request_timeout", &self.request_timeout)
+            .field("header_timeout", &self.header_timeout)
+            .field("max_connections", &self.max_connections)
+            .field("max_in_flight", &self.max_in_flight)
             .field("db_max_connections", &self.db_max_connections)
             .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
             .field("api_keys_file", &self.api_keys_file)
@@ -199,14 +334,28 @@ impl fmt::Debug for Config {
 }
 
 impl Config {
-    pub fn limits(&self) -> Limits {
-        Limits {
-            max_batch: self.max_batch.0 as usize,
+    /// The limits, checked against each other: the in-flight budget must
+    /// hold at least one request of the largest size.
+    pub fn limits(&self) -> Result<Limits, String> {
+        if self.max_in_flight_body_bytes.0 < self.max_body_bytes.0 {
+            return Err(format!(
+                "CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES ({} bytes) is below CHAT_HISTORY_MAX_BODY_BYTES \
+                 ({} bytes): no request of the largest size could ever be served",
+                self.max_in_flight_body_bytes.0, self.max_body_bytes.0
+            ));
+        }
+        Ok(Limits {
+            max_batch: to_usize(self.max_batch.0),
+            max_transcript_messages: to_usize(self.max_transcript_messages.0),
             max_messages_per_user: self.max_messages_per_user.0.map(|c| c.0),
             default_window: self.default_window.0.map(|s| s.0),
             max_body_bytes: self.max_body_bytes.0,
+            max_in_flight_body_bytes: self.max_in_flight_body_bytes.0,
             request_timeout: self.request_timeout.0,
-        }
+            header_timeout: self.header_timeout.0,
+            max_connections: to_usize(self.max_connections.0),
+            max_in_flight: to_usize(self.max_in_flight.0),
+        })
     }
 
     /// The configured keys (none: the service is open), and warnings to log.
@@ -264,6 +413,11 @@ impl Config {
     }
 }
 
+/// A count setting as `usize`; the maxima above all fit.
+fn to_usize(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
 /// The environment variable behind a malformed value, when the value came
 /// from one: clap's own message names only the flag.
 pub fn environment_source(error: &clap::Error) -> Option<String> {
@@ -273,8 +427,10 @@ pub fn environment_source(error: &clap::Error) -> Option<String> {
         return None;
     };
     let long = flag.strip_prefix("--")?.split([' ', '=']).next()?;
-    let given_as_flag =
-        std::env::args().any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    let given_as_flag = std::env::args_os().any(|a| {
+        let a = a.to_string_lossy();
+        a == format!("--{long}") || a.starts_with(&format!("--{long}="))
+    });
     if given_as_flag {
         return None;
     }
@@ -288,33 +444,63 @@ pub fn environment_source(error: &clap::Error) -> Option<String> {
     std::env::var_os(&env).is_some().then_some(env)
 }
 
-/// Fails on a `CHAT_HISTORY_*` variable that no setting reads: a typo there
-/// would otherwise be ignored silently.
-pub fn check_environment(vars: impl Iterator<Item = (String, String)>) -> Result<(), String> {
+/// Variables read by the service besides its settings.
+const OTHER_VARIABLES: &[&str] = &["RUST_LOG"];
+
+/// Looks at the whole environment before the settings are parsed. A variable
+/// of ours that is not UTF-8 is an error naming it. A `CHAT_HISTORY_*`
+/// variable that no setting reads gets a warning naming the closest setting
+/// (returned, to be logged), except Kubernetes' service links
+/// (`CHAT_HISTORY_SERVICE_*`, `CHAT_HISTORY_PORT*`), which are expected in a
+/// pod next to a Service named `chat-history` and are passed over in silence.
+/// Anything else, UTF-8 or not, is none of our business.
+pub fn check_environment(
+    vars: impl Iterator<Item = (OsString, OsString)>,
+) -> Result<Vec<String>, String> {
     let command = Cli::command();
     let known: Vec<String> = command
         .get_arguments()
         .filter_map(|arg| arg.get_env())
         .map(|env| env.to_string_lossy().into_owned())
+        .chain(OTHER_VARIABLES.iter().map(|name| (*name).to_string()))
         .collect();
-    let mut unknown: Vec<String> = vars
-        .map(|(name, _)| name)
-        .filter(|name| name.starts_with(ENV_PREFIX) && !known.contains(name))
-        .collect();
-    if unknown.is_empty() {
-        return Ok(());
+    let mut unknown = Vec::new();
+    for (name, value) in vars {
+        // Our names are ASCII: a name that is not UTF-8 is someone else's.
+        let Some(name) = name.to_str() else { continue };
+        if known.iter().any(|k| k == name) {
+            if value.to_str().is_none() {
+                return Err(format!(
+                    "the environment variable {name} is not valid UTF-8; set it to a UTF-8 value or unset it"
+                ));
+            }
+            continue;
+        }
+        let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        if rest.starts_with("SERVICE_") || rest.starts_with("PORT") {
+            continue;
+        }
+        unknown.push(name.to_string());
     }
     unknown.sort();
-    let known: Vec<&str> = known
+    let settings: Vec<&str> = known
         .iter()
         .map(String::as_str)
         .filter(|n| n.starts_with(ENV_PREFIX))
         .collect();
-    Err(format!(
-        "unknown setting {}; the settings are {}",
-        unknown.join(", "),
-        known.join(", ")
-    ))
+    Ok(unknown
+        .into_iter()
+        .map(|name| {
+            let closest = settings
+                .iter()
+                .min_by_key(|setting| strsim::levenshtein(setting, &name))
+                .copied()
+                .unwrap_or_default();
+            format!("ignoring {name}, which no setting reads; did you mean {closest}?")
+        })
+        .collect())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -326,6 +512,23 @@ pub enum LogFormat {
 /// A setting that may be `off`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OrOff<T>(pub Option<T>);
+
+impl<T> OrOff<T> {
+    /// A clap value parser: `off`, or what `inner` accepts.
+    fn parser(
+        inner: impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static,
+    ) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync + 'static {
+        move |s: &str| {
+            if s.trim().eq_ignore_ascii_case("off") {
+                Ok(Self(None))
+            } else {
+                inner(s)
+                    .map(|v| Self(Some(v)))
+                    .map_err(|e| format!("{e}, or `off`"))
+            }
+        }
+    }
+}
 
 impl<T: FromStr<Err = String>> FromStr for OrOff<T> {
     type Err = String;
@@ -345,16 +548,23 @@ impl<T: FromStr<Err = String>> FromStr for OrOff<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Seconds(pub Duration);
 
-impl FromStr for Seconds {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let duration = humantime::parse_duration(s.trim())
-            .map_err(|e| format!("{e}: expected a duration like 30d, 12h, 5m or 90s"))?;
-        if duration < Duration::from_secs(1) {
-            return Err("must be at least 1s".into());
+impl Seconds {
+    /// A clap value parser for durations from 1s to `max`.
+    fn parser(max: Duration) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync {
+        move |s: &str| {
+            let duration = humantime::parse_duration(s.trim())
+                .map_err(|e| format!("{e}: expected a duration like 30d, 12h, 5m or 90s"))?;
+            if duration < Duration::from_secs(1) {
+                return Err("must be at least 1s".into());
+            }
+            if duration > max {
+                return Err(format!(
+                    "must be at most {}",
+                    humantime::format_duration(max)
+                ));
+            }
+            Ok(Self(duration))
         }
-        Ok(Self(duration))
     }
 }
 
@@ -362,13 +572,12 @@ impl FromStr for Seconds {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Count(pub u64);
 
-impl FromStr for Count {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().parse::<u64>() {
-            Ok(n) if n >= 1 => Ok(Self(n)),
-            _ => Err("expected a whole number of at least 1".into()),
+impl Count {
+    /// A clap value parser for whole numbers from 1 to `max`.
+    fn parser(max: u64) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync {
+        move |s: &str| match s.trim().parse::<u64>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(Self(n)),
+            _ => Err(format!("expected a whole number from 1 to {max}")),
         }
     }
 }
@@ -377,27 +586,32 @@ impl FromStr for Count {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub usize);
 
-impl FromStr for ByteSize {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-        let (number, unit) = s.split_at(split);
-        let multiplier: usize = match unit.trim() {
-            "" | "B" => 1,
-            "KiB" => 1 << 10,
-            "MiB" => 1 << 20,
-            "GiB" => 1 << 30,
-            _ => return Err("expected bytes, optionally with KiB, MiB or GiB (like 8MiB)".into()),
-        };
-        number
-            .parse::<usize>()
-            .ok()
-            .and_then(|n| n.checked_mul(multiplier))
-            .filter(|n| *n >= 1)
-            .map(Self)
-            .ok_or_else(|| "expected a size of at least 1 byte, like 8MiB".into())
+impl ByteSize {
+    /// A clap value parser for sizes from 1 byte to `max`.
+    fn parser(max: usize) -> impl Fn(&str) -> Result<Self, String> + Clone + Send + Sync {
+        move |s: &str| {
+            let s = s.trim();
+            let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+            let (number, unit) = s.split_at(split);
+            let multiplier: usize = match unit.trim() {
+                "" | "B" => 1,
+                "KiB" => 1 << 10,
+                "MiB" => 1 << 20,
+                "GiB" => 1 << 30,
+                _ => {
+                    return Err(
+                        "expected bytes, optionally with KiB, MiB or GiB (like 8MiB)".into(),
+                    )
+                }
+            };
+            number
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| n.checked_mul(multiplier))
+                .filter(|n| (1..=max).contains(n))
+                .map(Self)
+                .ok_or_else(|| format!("expected a size from 1 byte to {max} bytes, like 8MiB"))
+        }
     }
 }
 
@@ -405,66 +619,184 @@ impl FromStr for ByteSize {
 mod tests {
     use super::*;
 
+    fn config(args: &[&str]) -> Result<Config, String> {
+        let mut all = vec!["chat-history"];
+        all.extend_from_slice(args);
+        Cli::try_parse_from(all)
+            .map(|cli| cli.config)
+            .map_err(|e| e.to_string())
+    }
+
     #[test]
     fn durations_read_like_the_spec_writes_them() {
-        assert_eq!(
-            "30d".parse::<Seconds>().unwrap().0,
-            Duration::from_secs(30 * 86_400)
-        );
-        assert_eq!("5m".parse::<Seconds>().unwrap().0, Duration::from_secs(300));
-        assert_eq!("90s".parse::<Seconds>().unwrap().0, Duration::from_secs(90));
-        assert!("0s".parse::<Seconds>().is_err());
-        assert!("soon".parse::<Seconds>().is_err());
-        assert_eq!("off".parse::<OrOff<Seconds>>().unwrap(), OrOff(None));
+        let seconds = Seconds::parser(maximum::AGE);
+        assert_eq!(seconds("30d").unwrap().0, Duration::from_secs(30 * 86_400));
+        assert_eq!(seconds("5m").unwrap().0, Duration::from_secs(300));
+        assert_eq!(seconds("90s").unwrap().0, Duration::from_secs(90));
+        assert!(seconds("0s").is_err());
+        assert!(seconds("soon").is_err());
+        assert_eq!(OrOff::parser(seconds)("off").unwrap(), OrOff(None));
     }
 
     #[test]
     fn sizes_and_counts() {
-        assert_eq!("8MiB".parse::<ByteSize>().unwrap().0, 8 << 20);
-        assert_eq!("1024".parse::<ByteSize>().unwrap().0, 1024);
-        assert!("8MB".parse::<ByteSize>().is_err());
-        assert!("0".parse::<Count>().is_err());
-        assert_eq!("off".parse::<OrOff<Count>>().unwrap(), OrOff(None));
+        let size = ByteSize::parser(maximum::MAX_BODY_BYTES);
+        assert_eq!(size("8MiB").unwrap().0, 8 << 20);
+        assert_eq!(size("1024").unwrap().0, 1024);
+        assert!(size("8MB").is_err());
+        assert!(size("2GiB").is_err());
+        let count = Count::parser(10);
+        assert!(count("0").is_err());
+        assert!(count("11").is_err());
+        assert_eq!(count("10").unwrap().0, 10);
+        assert_eq!(OrOff::parser(count)("off").unwrap(), OrOff(None));
+    }
+
+    #[test]
+    fn every_count_size_and_duration_has_a_maximum() {
+        for (flag, too_big) in [
+            ("--max-messages-per-user", "18446744073709551615"),
+            ("--max-messages-per-user", "100000001"),
+            ("--max-batch", "10001"),
+            ("--max-transcript-messages", "1000001"),
+            ("--max-body-bytes", "2GiB"),
+            ("--max-in-flight-body-bytes", "65GiB"),
+            ("--db-max-connections", "1001"),
+            ("--max-connections", "1000001"),
+            ("--max-in-flight", "1000001"),
+            ("--retention", "101years"),
+            ("--default-window", "101years"),
+            ("--cleanup-interval", "2d"),
+            ("--request-timeout", "2d"),
+            ("--header-timeout", "2d"),
+        ] {
+            let error = config(&[flag, too_big]).unwrap_err();
+            assert!(
+                error.contains(flag) && (error.contains("at most") || error.contains(" to ")),
+                "{flag}: {error}"
+            );
+        }
+        assert_eq!(
+            config(&["--max-messages-per-user", "off"])
+                .unwrap()
+                .max_messages_per_user,
+            OrOff(None)
+        );
+    }
+
+    #[test]
+    fn the_body_budget_must_hold_one_body() {
+        let error = config(&[
+            "--max-body-bytes",
+            "64MiB",
+            "--max-in-flight-body-bytes",
+            "32MiB",
+        ])
+        .unwrap()
+        .limits()
+        .unwrap_err();
+        assert!(
+            error.contains("CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES"),
+            "{error}"
+        );
     }
 
     #[test]
     fn defaults_match_the_spec() {
-        let cli = Cli::try_parse_from(["chat-history"]).unwrap();
-        let limits = cli.config.limits();
-        assert_eq!(cli.config.database_url, "sqlite://chat-history.db");
-        assert_eq!(cli.config.bind.to_string(), "127.0.0.1:8080");
+        let config = config(&[]).unwrap();
+        let limits = config.limits().unwrap();
+        assert_eq!(config.database_url.redacted(), "sqlite://chat-history.db");
+        assert_eq!(config.bind.to_string(), "127.0.0.1:8080");
         assert_eq!(limits.max_batch, 1000);
         assert_eq!(limits.max_body_bytes, 8 << 20);
         assert_eq!(limits.default_window, Some(Duration::from_secs(86_400)));
         assert_eq!(limits.max_messages_per_user, None);
         assert_eq!(
-            cli.config.retention.0.unwrap().0,
+            config.retention.0.unwrap().0,
             Duration::from_secs(30 * 86_400)
         );
-        assert_eq!(cli.config.cleanup_interval.0, Duration::from_secs(300));
+        assert_eq!(config.cleanup_interval.0, Duration::from_secs(300));
+        let defaults = Limits::default();
+        assert_eq!(
+            limits.max_transcript_messages,
+            defaults.max_transcript_messages
+        );
+        assert_eq!(
+            limits.max_in_flight_body_bytes,
+            defaults.max_in_flight_body_bytes
+        );
+        assert_eq!(limits.header_timeout, defaults.header_timeout);
+        assert_eq!(limits.max_connections, defaults.max_connections);
+        assert_eq!(limits.max_in_flight, defaults.max_in_flight);
     }
 
     #[test]
     fn malformed_values_name_the_setting() {
-        let error = Cli::try_parse_from(["chat-history", "--max-batch", "lots"])
-            .unwrap_err()
-            .to_string();
+        let error = config(&["--max-batch", "lots"]).unwrap_err();
         assert!(error.contains("--max-batch"), "{error}");
     }
 
+    fn env(pairs: &[(&str, &str)]) -> Vec<(OsString, OsString)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+            .collect()
+    }
+
     #[test]
-    fn unknown_chat_history_variables_are_refused() {
-        let vars = [
-            ("CHAT_HISTORY_RETENSION".to_string(), "1d".to_string()),
-            ("CHAT_HISTORY_BIND".to_string(), "x".to_string()),
-            ("HOME".to_string(), "/root".to_string()),
-        ];
-        let error = check_environment(vars.into_iter()).unwrap_err();
+    fn unknown_chat_history_variables_are_warned_about_with_the_closest_setting() {
+        let warnings = check_environment(
+            env(&[
+                ("CHAT_HISTORY_RETENSION", "1d"),
+                ("CHAT_HISTORY_BIND", "x"),
+                ("HOME", "/root"),
+            ])
+            .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
         assert!(
-            error.starts_with("unknown setting CHAT_HISTORY_RETENSION;"),
-            "{error}"
+            warnings[0].contains("CHAT_HISTORY_RETENSION"),
+            "{warnings:?}"
         );
-        assert!(check_environment(std::iter::empty()).is_ok());
+        assert!(
+            warnings[0].contains("did you mean CHAT_HISTORY_RETENTION?"),
+            "{warnings:?}"
+        );
+        assert!(check_environment(std::iter::empty()).unwrap().is_empty());
+    }
+
+    #[test]
+    fn kubernetes_service_links_pass_in_silence() {
+        let warnings = check_environment(
+            env(&[
+                ("CHAT_HISTORY_SERVICE_HOST", "10.0.0.1"),
+                ("CHAT_HISTORY_SERVICE_PORT", "8080"),
+                ("CHAT_HISTORY_SERVICE_PORT_HTTP", "8080"),
+                ("CHAT_HISTORY_PORT", "tcp://10.0.0.1:8080"),
+                ("CHAT_HISTORY_PORT_8080_TCP_ADDR", "10.0.0.1"),
+            ])
+            .into_iter(),
+        )
+        .unwrap();
+        assert!(warnings.is_empty(), "{warnings:?}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn variables_that_are_not_utf8_fail_only_when_they_are_ours() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = || OsString::from_vec(vec![0xff, 0xfe]);
+        let foreign = vec![
+            (OsString::from("LANG_OF_SOMEONE_ELSE"), bad()),
+            (bad(), OsString::from("x")),
+        ];
+        assert!(check_environment(foreign.into_iter()).unwrap().is_empty());
+        for ours in ["CHAT_HISTORY_BIND", "DATABASE_URL", "RUST_LOG"] {
+            let error =
+                check_environment(vec![(OsString::from(ours), bad())].into_iter()).unwrap_err();
+            assert!(error.contains(ours) && error.contains("UTF-8"), "{error}");
+        }
     }
 
     #[test]
@@ -516,13 +848,15 @@ mod tests {
 
     #[test]
     fn debug_hides_the_database_password() {
-        let cli = Cli::try_parse_from([
-            "chat-history",
-            "--database-url",
+        for url in [
             "postgres://app:hunter2@db/chat",
-        ])
-        .unwrap();
-        let shown = format!("{:?}", cli.config);
-        assert!(!shown.contains("hunter2"), "{shown}");
+            "postgres://app@db/chat?password=hunter2",
+            "postgres://app@db/chat?pass%77ord=hunter2",
+            "postgres://app:hunter%32@db/chat",
+        ] {
+            let config = config(&["--database-url", url]).unwrap();
+            let shown = format!("{config:?}");
+            assert!(!shown.contains("hunter"), "{shown}");
+        }
     }
 }

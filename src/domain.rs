@@ -7,8 +7,9 @@ use std::fmt;
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::{Serialize, Serializer};
 use serde_json::value::RawValue;
-use serde_json::Value;
 use sha2::{Digest as _, Sha256};
+
+use crate::canonical::{self, CanonicalError, JsonPath};
 
 /// The longest `user_id` accepted, in bytes of UTF-8.
 pub const USER_ID_MAX_BYTES: usize = 256;
@@ -153,41 +154,47 @@ pub fn digest16(text: &str) -> [u8; 16] {
 impl NewMessage {
     /// Accepts any JSON object with a non-empty string `role` and no NUL
     /// character anywhere; `at` names the message in error details.
-    pub fn from_value(value: Value, at: &str) -> Result<Self, Invalid> {
-        let Value::Object(map) = &value else {
-            return Err(Invalid(format!(
+    pub fn from_raw(raw: &RawValue, at: &str) -> Result<Self, BodyError> {
+        let not_object = || {
+            BodyError::invalid(format!(
                 "{at} must be a JSON object with a string `role`; got {}",
-                json_kind(&value)
-            )));
+                canonical::kind(raw)
+            ))
         };
-        match map.get("role") {
-            Some(Value::String(role)) if !role.is_empty() => {}
-            Some(Value::String(_)) => {
-                return Err(Invalid(format!("{at}.role must not be empty")));
+        if canonical::kind(raw) != "an object" {
+            return Err(not_object());
+        }
+        let entries = canonical::entries(raw.get()).map_err(|_| not_object())?;
+        let role = entries.iter().rev().find(|(key, _)| key == "role");
+        match role.map(|(_, value)| (canonical::kind(value), *value)) {
+            Some(("a string", value)) => {
+                if value.get() == "\"\"" {
+                    return Err(BodyError::invalid(format!("{at}.role must not be empty")));
+                }
             }
-            Some(other) => {
-                return Err(Invalid(format!(
-                    "{at}.role must be a string; got {}",
-                    json_kind(other)
+            Some((kind, _)) => {
+                return Err(BodyError::invalid(format!(
+                    "{at}.role must be a string; got {kind}"
                 )));
             }
             None => {
-                return Err(Invalid(format!(
+                return Err(BodyError::invalid(format!(
                     "{at} has no `role`; every message needs a non-empty string role"
                 )));
             }
         }
-        let body = serde_json::to_string(&value).map_err(|e| Invalid(e.to_string()))?;
-        // A NUL is written as `\u0000`; only then is the tree walked for its path.
-        if body.contains("\\u0000") {
-            if let Some(path) = find_nul(&value, at) {
-                return Err(Invalid(format!(
-                    "{path} contains a NUL character (\\u0000), which the store cannot keep faithfully; remove or replace it"
-                )));
-            }
-        }
+        drop(entries);
+        let mut body = String::with_capacity(raw.get().len());
+        canonical::write(raw, JsonPath::Root(at), &mut body)?;
         let digest = digest16(&body);
         Ok(Self { body, digest })
+    }
+
+    /// [`NewMessage::from_raw`] for a value at hand (tests, tools).
+    pub fn from_value(value: serde_json::Value, at: &str) -> Result<Self, BodyError> {
+        let text = value.to_string();
+        let raw: &RawValue = serde_json::from_str(&text).map_err(|e| BodyError::malformed(&e))?;
+        Self::from_raw(raw, at)
     }
 
     pub fn body(&self) -> &str {
@@ -199,59 +206,144 @@ impl NewMessage {
     }
 }
 
-/// The `messages` list of a request body, each entry validated.
-pub fn parse_message_list(body: Value) -> Result<Vec<NewMessage>, Invalid> {
-    let Value::Object(mut top) = body else {
-        return Err(Invalid(format!(
-            "the body must be a JSON object like {{\"messages\": [...]}}; got {}",
-            json_kind(&body)
-        )));
-    };
-    match top.remove("messages") {
-        Some(Value::Array(items)) => items
-            .into_iter()
-            .enumerate()
-            .map(|(i, item)| NewMessage::from_value(item, &format!("messages[{i}]")))
-            .collect(),
-        Some(other) => Err(Invalid(format!(
-            "`messages` must be a list of message objects; got {}",
-            json_kind(&other)
-        ))),
-        None => Err(Invalid(
-            "the body has no `messages` field; send {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}]}"
-                .into(),
-        )),
+/// Why a request body was refused: malformed JSON (400), valid JSON that
+/// breaks a rule (422), or more messages than the operation takes (its
+/// handler words that, naming its own limit).
+#[derive(Debug)]
+pub enum BodyError {
+    Malformed(String),
+    Invalid(Invalid),
+    TooMany(usize),
+}
+
+impl BodyError {
+    fn invalid(detail: String) -> Self {
+        Self::Invalid(Invalid(detail))
+    }
+
+    fn malformed(e: &serde_json::Error) -> Self {
+        let hint = if e.to_string().contains("escape") {
+            " (a \\uD800-\\uDFFF escape must be one half of a surrogate pair)"
+        } else {
+            ""
+        };
+        Self::Malformed(format!("the body is not valid JSON: {e}{hint}"))
     }
 }
 
-fn json_kind(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
+impl From<CanonicalError> for BodyError {
+    fn from(e: CanonicalError) -> Self {
+        match e {
+            CanonicalError::Malformed(e) => Self::malformed(&e),
+            CanonicalError::Nul(path) => Self::invalid(format!(
+                "{path} contains a NUL character (\\u0000), which the store cannot keep faithfully; remove or replace it"
+            )),
+        }
     }
 }
 
-/// The JSON path of the first key or string holding a NUL, if any.
-fn find_nul(value: &Value, at: &str) -> Option<String> {
-    match value {
-        Value::String(s) if s.contains('\0') => Some(at.to_string()),
-        Value::Array(items) => items
+/// The body of an append or a transcript save, `{"messages": [...]}`, each
+/// message checked and made canonical, and the digest of the whole body as
+/// canonical JSON (what an `Idempotency-Key` is checked against).
+#[derive(Debug)]
+pub struct MessageBody {
+    pub messages: Vec<NewMessage>,
+    pub digest: [u8; 16],
+}
+
+impl MessageBody {
+    /// Parses `bytes` without building a tree of them; more than `max`
+    /// messages is `TooMany`, found before any message is copied.
+    pub fn parse(bytes: &[u8], max: usize) -> Result<Self, BodyError> {
+        let text = std::str::from_utf8(bytes)
+            .map_err(|e| BodyError::Malformed(format!("the body is not valid JSON: {e}")))?;
+        let top: &RawValue = serde_json::from_str(text).map_err(|e| BodyError::malformed(&e))?;
+        if canonical::kind(top) != "an object" {
+            return Err(BodyError::invalid(format!(
+                "the body must be a JSON object like {{\"messages\": [...]}}; got {}",
+                canonical::kind(top)
+            )));
+        }
+        let mut members = canonical::entries(top.get()).map_err(|e| BodyError::malformed(&e))?;
+        // Stable: of repeated keys the last one counts, as in serde_json.
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        let Some(list) = members
             .iter()
-            .enumerate()
-            .find_map(|(i, item)| find_nul(item, &format!("{at}[{i}]"))),
-        Value::Object(map) => map.iter().find_map(|(key, item)| {
-            if key.contains('\0') {
-                Some(format!("a key in {at}"))
-            } else {
-                find_nul(item, &format!("{at}.{key}"))
+            .rev()
+            .find(|(key, _)| key == "messages")
+            .map(|m| m.1)
+        else {
+            return Err(BodyError::invalid(
+                "the body has no `messages` field; send {\"messages\": [{\"role\": \"user\", \"content\": \"...\"}]}"
+                    .into(),
+            ));
+        };
+        if canonical::kind(list) != "a list" {
+            return Err(BodyError::invalid(format!(
+                "`messages` must be a list of message objects; got {}",
+                canonical::kind(list)
+            )));
+        }
+        let count = canonical::count_elements(list.get()).map_err(|e| BodyError::malformed(&e))?;
+        if count > max {
+            return Err(BodyError::TooMany(count));
+        }
+        let mut messages = Vec::with_capacity(count);
+        let mut failure = None;
+        canonical::for_each_element(list.get(), |i, raw| {
+            match NewMessage::from_raw(raw, &format!("messages[{i}]")) {
+                Ok(message) => messages.push(message),
+                Err(e) => failure = Some(e),
             }
-        }),
-        _ => None,
+            failure.is_none()
+        })
+        .map_err(|e| BodyError::malformed(&e))?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let digest = body_digest(&members, &messages)?;
+        Ok(Self { messages, digest })
     }
+}
+
+/// The digest of the body as canonical JSON, `{"k":v,…}` with keys in
+/// order, fed to the hash piece by piece rather than written out whole.
+fn body_digest(
+    members: &[(String, &RawValue)],
+    messages: &[NewMessage],
+) -> Result<[u8; 16], BodyError> {
+    let mut hasher = Sha256::new();
+    hasher.update(b"{");
+    let mut first = true;
+    for (i, (key, value)) in members.iter().enumerate() {
+        if members.get(i + 1).is_some_and(|next| next.0 == *key) {
+            continue;
+        }
+        if !first {
+            hasher.update(b",");
+        }
+        first = false;
+        hasher.update(serde_json::to_string(key).unwrap_or_default().as_bytes());
+        hasher.update(b":");
+        if key == "messages" {
+            hasher.update(b"[");
+            for (j, message) in messages.iter().enumerate() {
+                if j > 0 {
+                    hasher.update(b",");
+                }
+                hasher.update(message.body().as_bytes());
+            }
+            hasher.update(b"]");
+        } else {
+            let mut text = String::new();
+            canonical::write(value, JsonPath::Root(key), &mut text)?;
+            hasher.update(text.as_bytes());
+        }
+    }
+    hasher.update(b"}");
+    let mut digest = [0u8; 16];
+    digest.copy_from_slice(&hasher.finalize()[..16]);
+    Ok(digest)
 }
 
 /// A message as the store keeps it: the caller's message, verbatim, with what
@@ -368,7 +460,18 @@ pub struct Idempotency {
 impl Idempotency {
     /// `request` is the whole request body; equal JSON values give equal
     /// digests because it is serialised with keys in canonical order.
-    pub fn new(key: &str, request: &Value) -> Result<Self, Invalid> {
+    /// `request_digest` is the digest of the whole request body as canonical
+    /// JSON ([`MessageBody::digest`]): equal JSON values give equal digests.
+    pub fn new(key: &str, request_digest: [u8; 16]) -> Result<Self, Invalid> {
+        Self::check_key(key)?;
+        Ok(Self {
+            key: key.to_string(),
+            request_digest,
+        })
+    }
+
+    /// Whether `key` is a usable key: 1 to 255 characters.
+    pub fn check_key(key: &str) -> Result<(), Invalid> {
         if key.is_empty() {
             return Err(Invalid("Idempotency-Key must not be empty".into()));
         }
@@ -378,11 +481,7 @@ impl Idempotency {
                 "Idempotency-Key is {chars} characters long; the limit is {IDEMPOTENCY_KEY_MAX_CHARS}"
             )));
         }
-        let canonical = serde_json::to_string(request).map_err(|e| Invalid(e.to_string()))?;
-        Ok(Self {
-            key: key.to_string(),
-            request_digest: digest16(&canonical),
-        })
+        Ok(())
     }
 
     pub fn key(&self) -> &str {
@@ -499,7 +598,6 @@ pub enum SaveOutcome {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
 
     #[test]
     fn user_id_rules() {
@@ -536,40 +634,78 @@ mod tests {
         assert_eq!(t.minus_seconds(u64::MAX).as_micros(), 0);
     }
 
+    fn message(text: &str, at: &str) -> Result<NewMessage, BodyError> {
+        NewMessage::from_raw(serde_json::from_str(text).unwrap(), at)
+    }
+
+    fn detail(error: BodyError) -> String {
+        match error {
+            BodyError::Invalid(invalid) => invalid.0,
+            other => panic!("expected a 422, got {other:?}"),
+        }
+    }
+
     #[test]
     fn messages_need_an_object_with_a_role() {
-        assert!(NewMessage::from_value(json!({"role": "user"}), "m").is_ok());
+        assert!(message(r#"{"role": "user"}"#, "m").is_ok());
         for bad in [
-            json!({"content": "hi"}),
-            json!({"role": ""}),
-            json!({"role": 3}),
-            json!("text"),
-            json!(null),
+            r#"{"content": "hi"}"#,
+            r#"{"role": ""}"#,
+            r#"{"role": 3}"#,
+            r#""text""#,
+            "null",
         ] {
-            assert!(NewMessage::from_value(bad, "m").is_err());
+            assert!(
+                matches!(message(bad, "m"), Err(BodyError::Invalid(_))),
+                "{bad}"
+            );
         }
     }
 
     #[test]
     fn nul_is_found_in_values_and_keys() {
-        let err = NewMessage::from_value(
-            json!({"role": "user", "parts": [{"text": "a\u{0}b"}]}),
-            "messages[2]",
-        )
-        .unwrap_err();
-        assert!(err
-            .0
-            .starts_with("messages[2].parts[0].text contains a NUL"));
-        let err = NewMessage::from_value(json!({"role": "user", "k\u{0}": 1}), "m").unwrap_err();
-        assert!(err.0.contains("a key in m"), "{err}");
+        let err = detail(
+            message(
+                r#"{"role": "user", "parts": [{"text": "a\u0000b"}]}"#,
+                "messages[2]",
+            )
+            .unwrap_err(),
+        );
+        assert!(
+            err.starts_with("messages[2].parts[0].text contains a NUL"),
+            "{err}"
+        );
+        let err = detail(message(r#"{"role": "user", "k\u0000": 1}"#, "m").unwrap_err());
+        assert!(err.contains("a key in m"), "{err}");
     }
 
     #[test]
     fn big_numbers_keep_every_digit() {
-        let value: Value =
-            serde_json::from_str(r#"{"role":"user","n":123456789012345678901234567890}"#).unwrap();
-        let message = NewMessage::from_value(value, "m").unwrap();
+        let message =
+            message(r#"{"role":"user","n":123456789012345678901234567890}"#, "m").unwrap();
         assert!(message.body().contains("123456789012345678901234567890"));
+    }
+
+    #[test]
+    fn bodies_are_checked_in_order_of_cost() {
+        let parse = |text: &str| MessageBody::parse(text.as_bytes(), 2);
+        assert!(matches!(parse("{"), Err(BodyError::Malformed(_))));
+        assert!(matches!(parse("[]"), Err(BodyError::Invalid(_))));
+        assert!(matches!(parse("{}"), Err(BodyError::Invalid(_))));
+        assert!(matches!(
+            parse(r#"{"messages": {}}"#),
+            Err(BodyError::Invalid(_))
+        ));
+        assert!(matches!(
+            parse(r#"{"messages": [1, 2, 3]}"#),
+            Err(BodyError::TooMany(3))
+        ));
+        assert!(matches!(
+            parse(r#"{"messages": [{"role": "user", "c": "\ud800"}]}"#),
+            Err(BodyError::Malformed(_))
+        ));
+        let body = parse(r#"{"messages": [{"role": "user"}, {"role": "tool"}]}"#).unwrap();
+        assert_eq!(body.messages.len(), 2);
     }
 
     #[test]
@@ -588,18 +724,27 @@ mod tests {
 
     #[test]
     fn idempotency_digests_equal_values_equally() {
-        let a: Value =
-            serde_json::from_str(r#"{"messages":[{"role":"user","a":1,"b":2}]}"#).unwrap();
-        let b: Value =
-            serde_json::from_str(r#"{ "messages": [ {"b":2, "role":"user", "a":1} ] }"#).unwrap();
-        let c: Value =
-            serde_json::from_str(r#"{"messages":[{"role":"user","a":1,"b":3}]}"#).unwrap();
-        let key = |v: &Value| Idempotency::new("k", v).unwrap().request_digest();
-        assert_eq!(key(&a), key(&b));
-        assert_ne!(key(&a), key(&c));
-        assert!(Idempotency::new(&"k".repeat(255), &a).is_ok());
-        assert!(Idempotency::new(&"k".repeat(256), &a).is_err());
-        assert!(Idempotency::new("", &a).is_err());
+        let digest = |text: &str| MessageBody::parse(text.as_bytes(), 10).unwrap().digest;
+        let a = digest(r#"{"messages":[{"role":"user","a":1,"b":2}]}"#);
+        let b = digest(r#"{ "messages": [ {"b":2, "role":"user", "a":1} ] }"#);
+        let c = digest(r#"{"messages":[{"role":"user","a":1,"b":3}]}"#);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        // The digest of the canonical text of the whole body, as before.
+        for text in [
+            r#"{"messages":[{"role":"user","a":1,"b":2}]}"#,
+            r#"{"z": [1.50, {"y": null}], "messages": [{"role": "user"}], "a": "x", "a": "y"}"#,
+        ] {
+            let value: serde_json::Value = serde_json::from_str(text).unwrap();
+            assert_eq!(
+                digest(text),
+                digest16(&serde_json::to_string(&value).unwrap()),
+                "{text}"
+            );
+        }
+        assert!(Idempotency::new(&"k".repeat(255), a).is_ok());
+        assert!(Idempotency::new(&"k".repeat(256), a).is_err());
+        assert!(Idempotency::new("", a).is_err());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use crate::domain::Invalid;
+use crate::domain::{BodyError, Invalid};
 use crate::store::StoreError;
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -87,6 +87,18 @@ impl ApiError {
     }
 }
 
+impl From<BodyError> for ApiError {
+    fn from(error: BodyError) -> Self {
+        match error {
+            BodyError::Malformed(detail) => Self::BadRequest(detail),
+            BodyError::Invalid(invalid) => Self::Unprocessable(invalid.0),
+            BodyError::TooMany(count) => Self::Unprocessable(format!(
+                "`messages` holds {count} messages, more than this operation takes"
+            )),
+        }
+    }
+}
+
 impl From<Invalid> for ApiError {
     fn from(invalid: Invalid) -> Self {
         Self::Unprocessable(invalid.0)
@@ -113,9 +125,20 @@ fn store_error_response(error: &StoreError) -> Response {
             tracing::warn!(error = %error_chain(error), "database unavailable");
             let mut response = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "the database is unavailable right now; retry after the delay in Retry-After",
+                "the database is unavailable right now; retry after the delay in Retry-After \
+                 (a write that failed this way may or may not have taken effect: an append \
+                 retried with the same Idempotency-Key is stored once)",
             )
             .into_response();
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from_static(RETRY_AFTER_SECONDS),
+            );
+            response
+        }
+        StoreError::Busy(detail) => {
+            let mut response =
+                Problem::new(StatusCode::SERVICE_UNAVAILABLE, *detail).into_response();
             response.headers_mut().insert(
                 header::RETRY_AFTER,
                 HeaderValue::from_static(RETRY_AFTER_SECONDS),

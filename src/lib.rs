@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod canonical;
 pub mod cleanup;
 pub mod config;
 pub mod domain;
@@ -16,4 +17,5 @@ pub mod server;
 pub mod store;
 pub mod telemetry;
 
-pub use api::{openapi_json, router, AppState, Limits};
+pub use api::{openapi_json, router, AppState};
+pub use config::Limits;

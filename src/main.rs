@@ -1,5 +1,5 @@
-//! The `chat-history` binary: parse the configuration, start logging, run
-//! the chosen subcommand.
+//! The `chat-history` binary: look at the environment, parse the
+//! configuration, start logging, run the chosen subcommand.
 
 use std::process::ExitCode;
 
@@ -9,6 +9,15 @@ use chat_history::config::{check_environment, environment_source, Cli, Command};
 use chat_history::{openapi_json, server, telemetry};
 
 fn main() -> ExitCode {
+    // Before clap: a variable of ours that is not UTF-8 gets a message that
+    // names it, and nothing else in the environment can stop start-up.
+    let warnings = match check_environment(std::env::vars_os()) {
+        Ok(warnings) => warnings,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::from(2);
+        }
+    };
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => {
@@ -18,16 +27,15 @@ fn main() -> ExitCode {
             error.exit()
         }
     };
-    if let Err(message) = check_environment(std::env::vars()) {
-        eprintln!("error: {message}");
-        return ExitCode::from(2);
-    }
     let command = cli.command.unwrap_or(Command::Serve);
     if command == Command::Openapi {
         print!("{}", openapi_json());
         return ExitCode::SUCCESS;
     }
     telemetry::init(cli.config.log_format);
+    for warning in warnings {
+        tracing::warn!("{warning}");
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {

@@ -4,18 +4,28 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{router, AppState};
 use crate::cleanup;
 use crate::config::Config;
-use crate::store::{self, redact_url, Store};
+use crate::error::{Problem, PROBLEM_JSON};
+use crate::store::{self, Store};
 
 pub type StartError = Box<dyn std::error::Error + Send + Sync>;
 
 /// `chat-history serve`: the whole life of the service.
 pub async fn serve(config: Config) -> Result<(), StartError> {
+    let limits = config.limits()?;
     let (access, warnings) = config.access()?;
     for warning in warnings {
         tracing::warn!("{warning}");
@@ -44,12 +54,12 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
         .map_err(|e| format!("cannot listen on {} (CHAT_HISTORY_BIND): {e}", config.bind))?;
     tracing::info!(
         address = %listener.local_addr()?,
-        database = %redact_url(&config.database_url),
+        database = %config.database_url,
         "chat-history is listening"
     );
     let state = AppState {
         store: store.clone(),
-        limits: config.limits(),
+        limits,
         access: Arc::new(access),
     };
     let shutdown = CancellationToken::new();
@@ -122,14 +132,14 @@ async fn connect_and_migrate(config: &Config) -> Result<Arc<dyn Store>, StartErr
         .map_err(|e| {
             format!(
                 "cannot open DATABASE_URL {}: {}",
-                redact_url(&config.database_url),
+                config.database_url,
                 crate::error::error_chain(&e)
             )
         })?;
     store.migrate().await.map_err(|e| {
         format!(
             "cannot migrate DATABASE_URL {}: {}",
-            redact_url(&config.database_url),
+            config.database_url,
             crate::error::error_chain(&e)
         )
     })?;
@@ -138,14 +148,83 @@ async fn connect_and_migrate(config: &Config) -> Result<Arc<dyn Store>, StartErr
 
 /// Serves `state` on `listener` until `shutdown` completes, then lets
 /// in-flight requests finish. Tests bind port 0 and call this.
+///
+/// HTTP/1.1 through hyper with a timer, so that a request head must arrive
+/// within `header_timeout` (hyper runs the same clock while a keep-alive
+/// connection waits for its next request, which closes idle connections);
+/// at most `max_connections` are open at once, and one more is answered 503
+/// and closed rather than queued.
 pub async fn launch(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = state.limits;
+    let service = TowerToHyperService::new(router(state));
+    let open = Arc::new(Semaphore::new(limits.max_connections));
+    let graceful = GracefulShutdown::new();
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before
+                    // it was accepted: wait a little rather than spin.
+                    tracing::warn!("cannot accept a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            metrics::counter!("chat_history_connections_refused_total").increment(1);
+            tokio::spawn(refuse(stream));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let connection =
+            graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!("connection ended: {e}");
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// Answers a connection over the cap with a 503 and closes it, reading
+/// what the client sent first (briefly) so that the close does not reset
+/// the connection before the client has read the answer.
+async fn refuse(mut stream: TcpStream) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = serde_json::to_string(&Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "this server has as many connections open as it accepts (CHAT_HISTORY_MAX_CONNECTIONS); retry after the delay in Retry-After",
+    ))
+    .unwrap_or_default();
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {PROBLEM_JSON}\r\nretry-after: 1\r\n\
+         connection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut request = [0u8; 4096];
+        let _ = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut request)).await;
+        stream.write_all(answer.as_bytes()).await?;
+        stream.shutdown().await?;
+        while stream.read(&mut request).await? > 0 {}
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
 }
 
 /// Completes on SIGTERM or Ctrl-C.

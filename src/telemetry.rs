@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request as AxumRequest};
-use axum::http::Request;
+use axum::http::{Method, Request};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Router;
@@ -67,7 +67,12 @@ fn request_span(request: &Request<Body>) -> tracing::Span {
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    tracing::info_span!("request", method = %request.method(), route, request_id)
+    tracing::info_span!(
+        "request",
+        method = method_label(request.method()),
+        route,
+        request_id
+    )
 }
 
 /// Seconds: from 1 ms to 10 s, for request and cleanup durations.
@@ -103,6 +108,14 @@ fn describe_metrics() {
         Unit::Seconds,
         "Time to answer an HTTP request, by method and route template."
     );
+    describe_counter!(
+        "chat_history_connections_refused_total",
+        "Connections answered 503 and closed because CHAT_HISTORY_MAX_CONNECTIONS were open."
+    );
+    describe_counter!(
+        "chat_history_requests_shed_total",
+        "Requests answered 503 at once, by reason (in_flight: CHAT_HISTORY_MAX_IN_FLIGHT; body_bytes: CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES)."
+    );
     describe_gauge!(
         "chat_history_db_connections",
         "Database pool connections, by state (in_use, idle)."
@@ -126,21 +139,36 @@ fn describe_metrics() {
     );
 }
 
+/// The method as a metrics label: one the API knows, else `other`, so that
+/// invented methods cannot add series.
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::HEAD => "HEAD",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
+}
+
 /// Counts and times each request by route template and status; a route
 /// layer, so the template is known.
 pub async fn record_request(request: AxumRequest, next: Next) -> Response {
+    // A template of the router's (a closed set), never the raw path.
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched", MatchedPath::as_str)
         .to_owned();
-    let method = request.method().as_str().to_owned();
+    let method = method_label(request.method());
     let started = Instant::now();
     let response = next.run(request).await;
     let status = response.status().as_u16().to_string();
     metrics::counter!(
         "chat_history_http_requests_total",
-        "method" => method.clone(), "route" => route.clone(), "status" => status
+        "method" => method, "route" => route.clone(), "status" => status
     )
     .increment(1);
     metrics::histogram!(

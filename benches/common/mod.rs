@@ -54,9 +54,10 @@ pub async fn open(backend: &str, name: &str) -> (Arc<dyn Store>, Cleanup) {
                 max_connections: 16,
                 ..ConnectOptions::default()
             };
-            let store = store::connect(&format!("{base}/{name}"), options)
-                .await
-                .unwrap();
+            let store =
+                store::connect(&store::DatabaseUrl::new(&format!("{base}/{name}")), options)
+                    .await
+                    .unwrap();
             store.migrate().await.unwrap();
             let cleanup: Cleanup = Box::pin(async move {
                 let _ = sqlx::query(&drop_sql).execute(&mut conn).await;
@@ -66,7 +67,7 @@ pub async fn open(backend: &str, name: &str) -> (Arc<dyn Store>, Cleanup) {
         "sqlite" => {
             let path = std::env::temp_dir().join(format!("{name}_{}.db", std::process::id()));
             let store = store::connect(
-                &format!("sqlite://{}", path.display()),
+                &store::DatabaseUrl::new(&format!("sqlite://{}", path.display())),
                 ConnectOptions::default(),
             )
             .await

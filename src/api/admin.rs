@@ -1,13 +1,16 @@
 //! `/v1/admin`: deleting in bulk, always within the caller's tenant.
 
+use std::time::Duration;
+
 use axum::extract::State;
 use axum::Json;
-use serde_json::Value;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use super::extract::JsonBody;
 use super::schema::{ClearAllRequest, DeletedResponse, PurgeExpiredRequest};
 use super::AppState;
-use crate::domain::{Tenant, Timestamp};
+use crate::domain::Tenant;
 use crate::error::{ApiError, Problem};
 
 /// Delete every message older than `max_age` seconds, for all users.
@@ -28,19 +31,41 @@ pub async fn purge_expired(
     tenant: Tenant,
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
-    let max_age = match body.get("max_age") {
-        Some(Value::Number(n)) => whole_seconds(n),
-        _ => None,
-    }
-    .ok_or_else(|| {
-        ApiError::Unprocessable(
-            "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
-        )
-    })?;
-    let cutoff = Timestamp::now().minus_seconds(max_age);
-    let deleted = state.store.purge_expired(&tenant, cutoff).await?;
+    let max_age = admin_body(&body)?
+        .max_age
+        .and_then(|raw| serde_json::from_str::<serde_json::Number>(raw.get()).ok())
+        .and_then(|n| whole_seconds(&n))
+        .ok_or_else(|| {
+            ApiError::Unprocessable(
+                "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
+            )
+        })?;
+    let deleted = state
+        .store
+        .purge_expired(&tenant, Duration::from_secs(max_age))
+        .await?;
     metrics::counter!("chat_history_messages_purged_total").increment(deleted);
     Ok(Json(DeletedResponse { deleted }))
+}
+
+/// The fields of an admin body, borrowed from its bytes; anything else in
+/// it is skipped unread. Valid JSON that is not an object has neither field.
+#[derive(Default, Deserialize)]
+struct AdminBody<'a> {
+    #[serde(borrow)]
+    max_age: Option<&'a RawValue>,
+    #[serde(borrow)]
+    confirm: Option<&'a RawValue>,
+}
+
+fn admin_body(bytes: &[u8]) -> Result<AdminBody<'_>, ApiError> {
+    match serde_json::from_slice::<AdminBody>(bytes) {
+        Ok(body) => Ok(body),
+        Err(e) if e.classify() == serde_json::error::Category::Data => Ok(AdminBody::default()),
+        Err(e) => Err(ApiError::BadRequest(format!(
+            "the body is not valid JSON: {e}"
+        ))),
+    }
 }
 
 /// A JSON number that is a whole number of seconds from 1 to `i64::MAX`, the
@@ -48,16 +73,17 @@ pub async fn purge_expired(
 fn whole_seconds(n: &serde_json::Number) -> Option<u64> {
     const BEYOND_I64: f64 = 9_223_372_036_854_775_808.0;
     let seconds = match n.as_i64() {
-        Some(seconds) => seconds,
+        Some(seconds) => u64::try_from(seconds).ok()?,
         None => {
             let seconds = n.as_f64()?;
             if seconds.fract() != 0.0 || !(0.0..BEYOND_I64).contains(&seconds) {
                 return None;
             }
-            seconds as i64
+            // A whole number below 2^63: its shortest decimal form is exact.
+            format!("{seconds:.0}").parse::<u64>().ok()?
         }
     };
-    u64::try_from(seconds).ok().filter(|seconds| *seconds >= 1)
+    Some(seconds).filter(|seconds| *seconds >= 1)
 }
 
 /// Delete every message of every user.
@@ -77,7 +103,7 @@ pub async fn clear_all(
     tenant: Tenant,
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
-    if body.get("confirm") != Some(&Value::Bool(true)) {
+    if admin_body(&body)?.confirm.map(RawValue::get) != Some("true") {
         return Err(ApiError::BadRequest(
             "this deletes every message; send {\"confirm\": true} to do it".into(),
         ));

@@ -11,7 +11,8 @@ use super::extract::{JsonBody, Path, Query};
 use super::schema::{AppendResponse, DeletedResponse, HistoryResponse, MessageBatch};
 use super::{user_id, AppState};
 use crate::domain::{
-    parse_message_list, AppendOutcome, HistoryQuery, Idempotency, StoredMessage, Tenant, Timestamp,
+    AppendOutcome, BodyError, HistoryQuery, Idempotency, MessageBody, StoredMessage, Tenant,
+    Timestamp,
 };
 use crate::error::{ApiError, Problem};
 
@@ -175,7 +176,7 @@ pub async fn append_messages(
     JsonBody(body): JsonBody,
 ) -> Result<Response, ApiError> {
     let user = user_id(path.user_id)?;
-    let idempotency = match headers.get(IDEMPOTENCY_KEY) {
+    let key = match headers.get(IDEMPOTENCY_KEY) {
         None => None,
         Some(value) => {
             // Visible ASCII and spaces: what the documented pattern admits
@@ -190,24 +191,27 @@ pub async fn append_messages(
                         "use visible ASCII characters and spaces only",
                     )
                 })?;
-            Some(
-                Idempotency::new(key, &body)
-                    .map_err(|e| ApiError::invalid_parameter("Idempotency-Key", e))?,
-            )
+            Idempotency::check_key(key)
+                .map_err(|e| ApiError::invalid_parameter("Idempotency-Key", e))?;
+            Some(key)
         }
     };
-    let messages = parse_message_list(body)?;
+    let max_batch = state.limits.max_batch;
+    let body = MessageBody::parse(&body, max_batch).map_err(|e| match e {
+        BodyError::TooMany(count) => ApiError::Unprocessable(format!(
+            "`messages` holds {count} messages; one append takes at most {max_batch} (max_batch), so split it"
+        )),
+        other => other.into(),
+    })?;
+    let idempotency = key
+        .map(|key| Idempotency::new(key, body.digest))
+        .transpose()
+        .map_err(|e| ApiError::invalid_parameter("Idempotency-Key", e))?;
+    let messages = body.messages;
     if messages.is_empty() {
         return Err(ApiError::Unprocessable(
             "`messages` is empty; send at least one message".into(),
         ));
-    }
-    let max_batch = state.limits.max_batch;
-    if messages.len() > max_batch {
-        return Err(ApiError::Unprocessable(format!(
-            "`messages` holds {} messages; one append takes at most {max_batch} (max_batch), so split it",
-            messages.len()
-        )));
     }
     let outcome = state
         .store

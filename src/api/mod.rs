@@ -6,18 +6,19 @@ mod admin;
 mod extract;
 mod messages;
 mod ops;
+mod protect;
 pub mod schema;
 mod transcript;
 mod users;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::extract::{DefaultBodyLimit, Request};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
+use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
@@ -26,6 +27,7 @@ use utoipa_axum::routes;
 use utoipa_swagger_ui::SwaggerUi;
 
 use crate::auth::{self, Access};
+use crate::config::Limits;
 use crate::domain::UserId;
 use crate::error::{ApiError, Problem, PROBLEM_JSON};
 use crate::store::Store;
@@ -47,33 +49,6 @@ impl AppState {
             store,
             limits,
             access: Arc::new(Access::open()),
-        }
-    }
-}
-
-/// The request-shaping settings of the service.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Most messages one append may carry.
-    pub max_batch: usize,
-    /// Oldest messages are evicted past this many per user.
-    pub max_messages_per_user: Option<u64>,
-    /// The age window of a history read that names no `max_age`.
-    pub default_window: Option<Duration>,
-    /// Largest request body accepted, in bytes.
-    pub max_body_bytes: usize,
-    /// A request still running after this gets a 503, so shutdown cannot hang.
-    pub request_timeout: Duration,
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            max_batch: 1000,
-            max_messages_per_user: None,
-            default_window: Some(Duration::from_secs(24 * 60 * 60)),
-            max_body_bytes: 8 * 1024 * 1024,
-            request_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -296,23 +271,31 @@ pub fn router(state: AppState) -> Router {
     let (routes, _) = api_routes().split_for_parts();
     let limits = state.limits;
     let access = state.access.clone();
+    let budgets = Arc::new(protect::Budgets::new(&limits));
     let routes = telemetry::trace_requests(
         routes
+            .layer(CatchPanicLayer::custom(protect::panic_response))
             .layer(DefaultBodyLimit::max(limits.max_body_bytes))
             .layer(TimeoutLayer::with_status_code(
                 StatusCode::SERVICE_UNAVAILABLE,
                 limits.request_timeout,
             ))
             .layer(middleware::from_fn_with_state(access, auth::authorize))
+            .layer(middleware::from_fn_with_state(budgets, protect::shed_load))
             .layer(middleware::from_fn(telemetry::record_request))
             .with_state(state),
     );
-    // Wrapped from outside so that it sees responses axum finishes last,
-    // such as a 405 with its `Allow` header; the request id is set before
-    // anything logs and returned on every response.
-    Router::new()
-        .merge(docs())
-        .fallback_service(routes)
+    outer_layers(Router::new().merge(docs()).fallback_service(routes))
+}
+
+/// What wraps every answer, whatever made it: problem+json bodies for bare
+/// errors (wrapped from outside so that it sees responses axum finishes
+/// last, such as a 405 with its `Allow` header), a 500 for a panic anywhere
+/// inside, and the request id, set before anything logs and returned on
+/// every response. Public so that a test can wrap a handler of its own.
+pub fn outer_layers(router: Router) -> Router {
+    router
+        .layer(CatchPanicLayer::custom(protect::panic_response))
         .layer(middleware::from_fn(problem_for_bare_errors))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
@@ -350,8 +333,14 @@ async fn problem_for_bare_errors(request: Request, next: Next) -> Response {
         StatusCode::NOT_FOUND => {
             format!("nothing lives at {path}; the API is under /v1 and described at /openapi.json")
         }
+        StatusCode::SERVICE_UNAVAILABLE if is_write(&method) => {
+            "the request took longer than this server allows (CHAT_HISTORY_REQUEST_TIMEOUT), so \
+             whether it took effect is unknown; retrying is safe: an append with the same \
+             Idempotency-Key is stored once, and saves and deletes are idempotent"
+                .into()
+        }
         StatusCode::SERVICE_UNAVAILABLE => {
-            "the request took longer than this server allows (request_timeout); retry later".into()
+            "the request took longer than this server allows (CHAT_HISTORY_REQUEST_TIMEOUT); retry later".into()
         }
         StatusCode::METHOD_NOT_ALLOWED => {
             let allowed = response
@@ -371,6 +360,11 @@ async fn problem_for_bare_errors(request: Request, next: Next) -> Response {
             .or_insert(HeaderValue::from_static("1"));
     }
     response
+}
+
+/// Whether `method` changes data.
+fn is_write(method: &Method) -> bool {
+    !(method.is_safe() || method == Method::OPTIONS)
 }
 
 /// A `user_id` from the path, or a 400 that says what is wrong with it.

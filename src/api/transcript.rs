@@ -3,17 +3,20 @@
 //! longest common prefix with what is stored, so re-saving a long transcript
 //! with a few new messages costs about what appending them costs.
 
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use tokio::sync::mpsc;
 
 use super::extract::{JsonBody, Path};
 use super::messages::UserPath;
 use super::schema::{SaveTranscriptResponse, TranscriptBody, TranscriptResponse};
 use super::{user_id, AppState};
-use crate::domain::{parse_message_list, IfMatch, SaveOutcome, Tenant, Timestamp};
-use crate::error::{ApiError, Problem};
+use crate::domain::{BodyError, IfMatch, MessageBody, SaveOutcome, Tenant, Timestamp, UserId};
+use crate::error::{error_chain, ApiError, Problem};
+use crate::store::{StoreError, TranscriptStream};
 
 fn etag(version: i64) -> HeaderValue {
     HeaderValue::from_str(&format!("\"{version}\"")).expect("digits and quotes are a valid header")
@@ -44,21 +47,86 @@ pub async fn get_transcript(
     Path(path): Path<UserPath>,
 ) -> Result<Response, ApiError> {
     let user = user_id(path.user_id)?;
-    let transcript = state.store.transcript(&tenant, &user).await?;
-    let version = transcript.as_ref().map_or(0, |t| t.version);
-    let response = match transcript {
-        Some(transcript) if !transcript.messages.is_empty() => Json(TranscriptResponse {
-            user_id: user,
-            messages: transcript.messages,
-            version,
-        })
-        .into_response(),
+    let stream = state
+        .store
+        .transcript_stream(&tenant, &user, state.limits.request_timeout)
+        .await?;
+    let version = stream.version;
+    let response = if stream.message_count > 0 {
+        (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            transcript_body(&user, stream),
+        )
+            .into_response()
+    } else {
         // Still the version: a save that creates the transcript can name it in
         // If-Match, and so cannot overwrite one another client created first.
-        _ => ApiError::NotFound(format!("user {:?} has no transcript", user.as_str()))
-            .into_response(),
+        ApiError::NotFound(format!("user {:?} has no transcript", user.as_str())).into_response()
     };
     Ok(([(header::ETAG, etag(version))], response).into_response())
+}
+
+/// Bytes of a streamed transcript gathered before they are sent on.
+const TRANSCRIPT_CHUNK_BYTES: usize = 32 * 1024;
+
+/// The body `{"user_id":…,"messages":[…],"version":…}`, written as the rows
+/// arrive, a chunk of about 32 KiB at a time. A read error (or the store's
+/// deadline) ends the body early, so the client sees a broken response
+/// rather than a short transcript.
+fn transcript_body(user: &UserId, stream: TranscriptStream) -> Body {
+    struct Writer {
+        rows: mpsc::Receiver<Result<String, StoreError>>,
+        head: Option<String>,
+        tail: String,
+        first: bool,
+    }
+    let writer = Writer {
+        rows: stream.messages,
+        head: Some(format!(
+            "{{\"user_id\":{},\"messages\":[",
+            serde_json::to_string(user.as_str()).unwrap_or_default()
+        )),
+        tail: format!("],\"version\":{}}}", stream.version),
+        first: true,
+    };
+    let chunks = futures_util::stream::unfold(Some(writer), |writer| async move {
+        let mut writer = writer?;
+        let mut chunk = writer.head.take().unwrap_or_default();
+        let mut next = writer.rows.recv().await;
+        loop {
+            match next {
+                Some(Ok(message)) => {
+                    if !writer.first {
+                        chunk.push(',');
+                    }
+                    writer.first = false;
+                    chunk.push_str(&message);
+                }
+                Some(Err(error)) => {
+                    tracing::warn!(error = %error_chain(&error), "transcript read ended early");
+                    return Some((Err(std::io::Error::other(error)), None));
+                }
+                None => {
+                    chunk.push_str(&writer.tail);
+                    return Some((Ok(Bytes::from(chunk)), None));
+                }
+            }
+            if chunk.len() >= TRANSCRIPT_CHUNK_BYTES {
+                return Some((Ok(Bytes::from(chunk)), Some(writer)));
+            }
+            next = match writer.rows.try_recv() {
+                Ok(row) => Some(row),
+                Err(mpsc::error::TryRecvError::Empty) => {
+                    return Some((Ok(Bytes::from(chunk)), Some(writer)));
+                }
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
+            };
+        }
+    });
+    Body::from_stream(chunks)
 }
 
 /// Replace a whole transcript.
@@ -89,7 +157,7 @@ pub async fn get_transcript(
         (status = 400, description = "Malformed JSON or a bad `user_id`", body = Problem, content_type = "application/problem+json"),
         (status = 412, description = "`If-Match` names a version that is not current; nothing changed", body = Problem, content_type = "application/problem+json",
             headers(("ETag" = String, description = "The current version, quoted"))),
-        (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string, more messages than `max_transcript_messages`", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn put_transcript(
@@ -103,7 +171,16 @@ pub async fn put_transcript(
     let if_match = headers
         .get(header::IF_MATCH)
         .map(|v| IfMatch::parse(v.to_str().unwrap_or_default()));
-    let messages = parse_message_list(body)?;
+    let max = state.limits.max_transcript_messages;
+    let messages = MessageBody::parse(&body, max)
+        .map_err(|e| match e {
+            BodyError::TooMany(count) => ApiError::Unprocessable(format!(
+                "`messages` holds {count} messages; a transcript save takes at most {max} \
+                 (CHAT_HISTORY_MAX_TRANSCRIPT_MESSAGES): append the rest with POST …/messages"
+            )),
+            other => other.into(),
+        })?
+        .messages;
     let outcome = state
         .store
         .save_transcript(

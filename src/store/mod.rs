@@ -11,11 +11,13 @@
 
 mod postgres;
 mod sqlite;
+mod url;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::domain::{
     AppendOutcome, Appended, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
@@ -24,6 +26,7 @@ use crate::domain::{
 
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
+pub use url::DatabaseUrl;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -40,6 +43,11 @@ pub enum StoreError {
     UnsupportedUrl(String),
     #[error("stored data could not be read back: {0}")]
     Corrupt(String),
+    #[error("the transcript was not read within the request timeout")]
+    TimedOut,
+    /// Shedding load rather than queueing it; the text says which limit.
+    #[error("{0}")]
+    Busy(&'static str),
 }
 
 impl From<sqlx::Error> for StoreError {
@@ -74,6 +82,17 @@ fn is_unavailable(error: &sqlx::Error) -> bool {
         }
         _ => false,
     }
+}
+
+/// A count as the databases keep it. Counts here are bounded far below
+/// `i64::MAX`; were one not, it would saturate rather than wrap.
+fn db_count<T: TryInto<i64>>(n: T) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+/// A count read back from the database, which never stores a negative one.
+fn row_count(n: i64) -> usize {
+    usize::try_from(n).unwrap_or(0)
 }
 
 /// How a store connects; the rest of its behaviour comes from each call.
@@ -115,13 +134,37 @@ pub trait Store: Send + Sync + 'static {
         idempotency: Option<&Idempotency>,
     ) -> Result<AppendOutcome, StoreError>;
 
-    /// The whole transcript; empty, with the user's version, for a user whose
-    /// messages are all gone; `None` for a user never written (version 0).
+    /// The whole transcript from one read snapshot: its version and message
+    /// count, then its messages in order, sent by a task of the store's own
+    /// as they are read, so a reader holds a few rows at a time whatever the
+    /// transcript's size. The task gives up after `deadline`. A user never
+    /// written has version 0 and no messages.
+    async fn transcript_stream(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        deadline: Duration,
+    ) -> Result<TranscriptStream, StoreError>;
+
+    /// The whole transcript in memory (for tests and tools; the API streams):
+    /// `None` for a user never written.
     async fn transcript(
         &self,
         tenant: &Tenant,
         user: &UserId,
-    ) -> Result<Option<Transcript>, StoreError>;
+    ) -> Result<Option<Transcript>, StoreError> {
+        let mut stream = self
+            .transcript_stream(tenant, user, Duration::from_secs(3600))
+            .await?;
+        let mut messages = Vec::new();
+        while let Some(row) = stream.messages.recv().await {
+            messages.push(raw(row?)?);
+        }
+        Ok((stream.version > 0).then_some(Transcript {
+            messages,
+            version: stream.version,
+        }))
+    }
 
     /// Replaces the transcript atomically, keeping the longest common prefix
     /// untouched (same `seq`, same `created_at`, rows not rewritten).
@@ -135,21 +178,23 @@ pub trait Store: Send + Sync + 'static {
         cap: Option<u64>,
     ) -> Result<SaveOutcome, StoreError>;
 
-    /// Deletes the tenant's messages created before `cutoff`, in short
-    /// transactions of bounded size, and says how many.
-    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError>;
+    /// Deletes the tenant's messages older than `max_age` by the database's
+    /// clock, in short transactions of bounded size, and says how many.
+    async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError>;
 
     /// Deletes every message of the tenant, user by user in short
     /// transactions, and says how many.
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError>;
 
-    /// One run of the retention task over every tenant: messages created
-    /// before `cutoff` (when retention is on) and idempotency keys stored
-    /// before `keys_cutoff`. `None` when another replica is running it.
+    /// One run of the retention task over every tenant: messages older than
+    /// `retention` (when it is on) and idempotency keys older than
+    /// `keys_ttl`, both by the database's clock, so a replica whose clock
+    /// jumps cannot delete what has not expired. `None` when another replica
+    /// is running it.
     async fn retention_pass(
         &self,
-        cutoff: Option<Timestamp>,
-        keys_cutoff: Timestamp,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
     ) -> Result<Option<RetentionReport>, StoreError>;
 
     /// A page of one user's history, oldest first (see `HistoryQuery`).
@@ -285,20 +330,117 @@ fn users_page(
     Ok((users, has_more))
 }
 
-/// A transcript from its rows of (version, message) in `seq` order, as the
-/// user row left-joined to its messages gives them: none without rows (a
-/// user never written), and one row with no message for a user with none.
-fn transcript_from(rows: Vec<(i64, Option<String>)>) -> Result<Option<Transcript>, StoreError> {
-    let Some(version) = rows.first().map(|(version, _)| *version) else {
-        return Ok(None);
-    };
-    let messages = rows
-        .into_iter()
-        .filter_map(|(_, body)| body)
-        .map(raw)
-        .collect::<Result<_, _>>()?;
-    Ok(Some(Transcript { messages, version }))
+/// A transcript as [`Store::transcript_stream`] reads it.
+pub struct TranscriptStream {
+    pub version: i64,
+    pub message_count: i64,
+    /// The messages' JSON text, in order; closed after the last.
+    pub messages: mpsc::Receiver<Result<String, StoreError>>,
 }
+
+/// Transcript reads streaming at once, at most: half the pool (at least
+/// one), so that slow readers, each holding a connection while they read,
+/// can never hold every connection.
+fn stream_slots(max_connections: u32) -> Arc<Semaphore> {
+    let max_connections = usize::try_from(max_connections).unwrap_or(usize::MAX);
+    Arc::new(Semaphore::new((max_connections / 2).max(1)))
+}
+
+fn take_stream_slot(slots: &Arc<Semaphore>) -> Result<OwnedSemaphorePermit, StoreError> {
+    slots.clone().try_acquire_owned().map_err(|_| {
+        StoreError::Busy(
+            "as many transcripts are being read as this server streams at once (half of \
+             CHAT_HISTORY_DB_MAX_CONNECTIONS); retry after the delay in Retry-After",
+        )
+    })
+}
+
+/// Rows of a transcript read ahead of a slow reader, at most.
+const TRANSCRIPT_ROWS_AHEAD: usize = 8;
+
+impl TranscriptStream {
+    /// A stream whose rows a task sends (see [`forward_rows`]).
+    fn new(version: i64, message_count: i64) -> (Self, mpsc::Sender<Result<String, StoreError>>) {
+        let (sender, messages) = mpsc::channel(TRANSCRIPT_ROWS_AHEAD);
+        let stream = Self {
+            version,
+            message_count,
+            messages,
+        };
+        (stream, sender)
+    }
+}
+
+/// Sends `rows` on to the reader until they end, the reader goes away, or
+/// `deadline` passes (then the reader gets `TimedOut` as its last row).
+async fn forward_rows(
+    rows: impl futures_util::Stream<Item = Result<String, sqlx::Error>>,
+    sender: mpsc::Sender<Result<String, StoreError>>,
+    deadline: Duration,
+) {
+    use futures_util::StreamExt;
+    let forward = async {
+        futures_util::pin_mut!(rows);
+        while let Some(row) = rows.next().await {
+            let failed = row.is_err();
+            if sender.send(row.map_err(StoreError::from)).await.is_err() || failed {
+                return;
+            }
+        }
+    };
+    if tokio::time::timeout(deadline, forward).await.is_err() {
+        let _ = sender.try_send(Err(StoreError::TimedOut));
+    }
+}
+
+/// The transcript of `user` from the snapshot of `tx`, a read transaction
+/// that sees one snapshot throughout (each backend opens it its own way):
+/// the version and count now, the rows sent on by a task that holds `slot`
+/// and `tx` until the reader has them all, goes away, or `deadline` passes.
+async fn stream_transcript<DB>(
+    mut tx: sqlx::Transaction<'static, DB>,
+    slot: OwnedSemaphorePermit,
+    tenant: &Tenant,
+    user: &UserId,
+    deadline: Duration,
+) -> Result<TranscriptStream, StoreError>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    let (version, count): (i64, i64) = sqlx::query_as(TRANSCRIPT_HEAD)
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .fetch_optional(&mut *tx)
+        .await?
+        .unwrap_or((0, 0));
+    let (stream, sender) = TranscriptStream::new(version, count);
+    if count > 0 {
+        let (tenant, user) = (tenant.as_str().to_owned(), user.as_str().to_owned());
+        tokio::spawn(async move {
+            let _slot = slot;
+            let rows = sqlx::query_scalar(TRANSCRIPT_ROWS)
+                .bind(tenant)
+                .bind(user)
+                .fetch(&mut *tx);
+            forward_rows(rows, sender, deadline).await;
+        });
+    }
+    Ok(stream)
+}
+
+/// Reads the version and message count of a transcript's user.
+const TRANSCRIPT_HEAD: &str =
+    "SELECT version, message_count FROM chat_users WHERE tenant = $1 AND user_id = $2";
+
+/// The messages of a transcript, in order.
+const TRANSCRIPT_ROWS: &str =
+    "SELECT message FROM chat_messages WHERE tenant = $1 AND user_id = $2 ORDER BY seq";
 
 /// An idempotency record found for an append's key.
 struct SeenKey {
@@ -349,35 +491,16 @@ fn saved(version: i64, stored: usize, incoming: usize, kept: usize, evicted: u64
 
 /// Picks the backend from the URL scheme and opens its pools (lazily for
 /// Postgres, so a service can start before its database).
-pub async fn connect(url: &str, options: ConnectOptions) -> Result<Arc<dyn Store>, StoreError> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+pub async fn connect(
+    url: &DatabaseUrl,
+    options: ConnectOptions,
+) -> Result<Arc<dyn Store>, StoreError> {
+    if url.is_postgres() {
         Ok(Arc::new(PostgresStore::connect(url, options)?))
-    } else if url.starts_with("sqlite:") {
-        Ok(Arc::new(SqliteStore::connect(url, options).await?))
+    } else if url.is_sqlite() {
+        Ok(Arc::new(SqliteStore::connect(url.expose(), options).await?))
     } else {
-        Err(StoreError::UnsupportedUrl(redact_url(url)))
-    }
-}
-
-/// A URL with any password replaced, safe to log or print.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (authority, path) = match rest.find('/') {
-        Some(i) => rest.split_at(i),
-        None => (rest, ""),
-    };
-    match authority.rsplit_once('@') {
-        Some((credentials, host)) => {
-            let user = credentials.split(':').next().unwrap_or_default();
-            if credentials.contains(':') {
-                format!("{scheme}://{user}:***@{host}{path}")
-            } else {
-                url.to_string()
-            }
-        }
-        None => url.to_string(),
+        Err(StoreError::UnsupportedUrl(url.redacted()))
     }
 }
 
@@ -417,22 +540,4 @@ fn assemble_page(
         })
         .collect::<Result<_, _>>()?;
     Ok(HistoryPage { messages, has_more })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redact_url;
-
-    #[test]
-    fn passwords_never_leave_redact_url() {
-        assert_eq!(
-            redact_url("postgres://app:s3cret@db:5432/chat"),
-            "postgres://app:***@db:5432/chat"
-        );
-        assert_eq!(
-            redact_url("postgres://app@db/chat"),
-            "postgres://app@db/chat"
-        );
-        assert_eq!(redact_url("sqlite://chat.db"), "sqlite://chat.db");
-    }
 }

@@ -3,22 +3,27 @@
 //! every other write to a user takes that lock as its first statement.
 
 use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use secrecy::ExposeSecret;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::Row;
+use sqlx::{Connection, PgConnection, Row};
+use tokio::sync::Semaphore;
 
 use super::{
-    appended, assemble_page, latest_version, saved, transcript_from, users_page, ConnectOptions,
-    PoolStatus, RetentionReport, SeenKey, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
-    PURGE_USERS_PER_BATCH, TENANTS,
+    appended, assemble_page, db_count, latest_version, row_count, saved, stream_slots,
+    stream_transcript, take_stream_slot, users_page, ConnectOptions, DatabaseUrl, PoolStatus,
+    RetentionReport, SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH,
+    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
-    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId,
-    UserStats, UserSummary,
+    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, UserId, UserStats,
+    UserSummary,
 };
 
 /// Messages deleted per retention transaction, at most.
@@ -31,16 +36,25 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
 pub struct PostgresStore {
     pool: PgPool,
+    streams: Arc<Semaphore>,
 }
 
 impl PostgresStore {
-    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self, StoreError> {
-        let connect = PgConnectOptions::from_str(url)?.application_name("chat-history");
+    pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<Self, StoreError> {
+        let (url, dropped) = url.for_postgres();
+        for parameter in dropped {
+            tracing::warn!("DATABASE_URL: ignoring the parameter {parameter:?}, which the Postgres driver does not know");
+        }
+        let connect =
+            PgConnectOptions::from_str(url.expose_secret())?.application_name("chat-history");
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
             .connect_lazy_with(connect);
-        Ok(Self { pool })
+        Ok(Self {
+            pool,
+            streams: stream_slots(options.max_connections),
+        })
     }
 
     /// The single-statement append (see `APPEND`).
@@ -55,7 +69,7 @@ impl PostgresStore {
         sqlx::query(APPEND)
             .bind(tenant.as_str())
             .bind(user.as_str())
-            .bind(messages.len() as i64)
+            .bind(db_count(messages.len()))
             .bind(now.to_datetime())
             .bind(bodies)
             .bind(digests)
@@ -83,11 +97,11 @@ impl PostgresStore {
         else {
             return Ok(None);
         };
-        let version: i64 = row.get("version");
-        let stored = row.get::<i64, _>("message_count") as usize;
-        let known: Option<Vec<u8>> = row.get("transcript_digest");
+        let version: i64 = row.try_get("version")?;
+        let stored = row_count(row.try_get("message_count")?);
+        let known: Option<Vec<u8>> = row.try_get("transcript_digest")?;
         let extends = extends_saved(known.as_deref(), stored, messages);
-        let admitted = if_match.is_none_or(|c| c.admits(version, stored as i64));
+        let admitted = if_match.is_none_or(|c| c.admits(version, db_count(stored)));
         if !extends || !admitted {
             return Ok(None);
         }
@@ -99,7 +113,7 @@ impl PostgresStore {
         let version: Option<i64> = sqlx::query_scalar(EXTEND_IF_UNCHANGED)
             .bind(tenant.as_str())
             .bind(user.as_str())
-            .bind(new.len() as i64)
+            .bind(db_count(new.len()))
             .bind(now.to_datetime())
             .bind(bodies)
             .bind(digests)
@@ -108,32 +122,6 @@ impl PostgresStore {
             .fetch_optional(&self.pool)
             .await?;
         Ok(version.map(|version| saved(version, stored, messages.len(), stored, 0)))
-    }
-
-    async fn retention_work(
-        &self,
-        cutoff: Option<Timestamp>,
-        keys_cutoff: Timestamp,
-    ) -> Result<RetentionReport, StoreError> {
-        let mut report = RetentionReport::default();
-        if let Some(cutoff) = cutoff {
-            let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&self.pool).await?;
-            for tenant in tenants {
-                report.messages += self.purge_expired(&Tenant::new(tenant), cutoff).await?;
-            }
-        }
-        loop {
-            let deleted = sqlx::query(DELETE_OLD_KEYS)
-                .bind(keys_cutoff.to_datetime())
-                .bind(KEYS_PER_BATCH)
-                .execute(&self.pool)
-                .await?
-                .rows_affected();
-            report.idempotency_keys += deleted;
-            if deleted == 0 {
-                return Ok(report);
-            }
-        }
     }
 }
 
@@ -155,12 +143,12 @@ fn append_result(
     messages: &[NewMessage],
     row: &sqlx::postgres::PgRow,
 ) -> Result<crate::domain::Appended, StoreError> {
-    let last_seq: i64 = row.get("last_seq");
+    let last_seq: i64 = row.try_get("last_seq")?;
     appended(
         messages,
-        last_seq - messages.len() as i64 + 1,
-        at(row.get("last_created_at")),
-        row.get("version"),
+        last_seq - db_count(messages.len()) + 1,
+        at(row.try_get("last_created_at")?),
+        row.try_get("version")?,
     )
 }
 
@@ -181,7 +169,82 @@ async fn evict_oldest(
         .bind(excess)
         .execute(&mut **tx)
         .await?;
-    Ok(excess as u64)
+    Ok(u64::try_from(excess).unwrap_or(0))
+}
+
+/// The database's clock: cutoffs are taken from it, never from a replica's.
+async fn database_now(conn: &mut PgConnection) -> Result<Timestamp, StoreError> {
+    let micros: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000000)::bigint")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(Timestamp::from_micros(micros))
+}
+
+/// Deletes the tenant's messages created before `cutoff`, a bounded batch
+/// of users and rows per transaction, on `conn`.
+async fn purge_on(
+    conn: &mut PgConnection,
+    tenant: &Tenant,
+    cutoff: Timestamp,
+) -> Result<u64, StoreError> {
+    let mut total = 0;
+    loop {
+        let mut tx = conn.begin().await?;
+        let users: Vec<String> = sqlx::query_scalar(LOCK_EXPIRED_USERS)
+            .bind(tenant.as_str())
+            .bind(cutoff.to_datetime())
+            .bind(PURGE_USERS_PER_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+        if users.is_empty() {
+            tx.commit().await?;
+            return Ok(total);
+        }
+        let deleted: i64 = sqlx::query_scalar(DELETE_EXPIRED)
+            .bind(tenant.as_str())
+            .bind(&users)
+            .bind(cutoff.to_datetime())
+            .bind(PURGE_ROWS_PER_BATCH)
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query(REFRESH_OLDEST)
+            .bind(tenant.as_str())
+            .bind(&users)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        total += u64::try_from(deleted).unwrap_or(0);
+    }
+}
+
+/// One retention run on `conn`, which holds the advisory lock.
+async fn retention_work(
+    conn: &mut PgConnection,
+    retention: Option<Duration>,
+    keys_ttl: Duration,
+) -> Result<RetentionReport, StoreError> {
+    let now = database_now(conn).await?;
+    let mut report = RetentionReport::default();
+    if let Some(retention) = retention {
+        let cutoff = now.minus_seconds(retention.as_secs());
+        let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&mut *conn).await?;
+        for tenant in tenants {
+            report.messages += purge_on(conn, &Tenant::new(tenant), cutoff).await?;
+        }
+    }
+    let keys_cutoff = now.minus_seconds(keys_ttl.as_secs());
+    loop {
+        let deleted = sqlx::query(DELETE_OLD_KEYS)
+            .bind(keys_cutoff.to_datetime())
+            .bind(KEYS_PER_BATCH)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+        report.idempotency_keys += deleted;
+        if deleted == 0 {
+            return Ok(report);
+        }
+    }
 }
 
 fn at(time: DateTime<Utc>) -> Timestamp {
@@ -303,14 +366,6 @@ WITH u AS (
     FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
 )
 SELECT version FROM u
-"#;
-
-const TRANSCRIPT: &str = r#"
-SELECT u.version, m.message
-FROM chat_users u
-LEFT JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
-WHERE u.tenant = $1 AND u.user_id = $2
-ORDER BY m.seq
 "#;
 
 /// Locks, in key order, up to `$3` users of the tenant whose oldest message
@@ -482,10 +537,10 @@ impl Store for PostgresStore {
             if let Some(seen) = seen {
                 tx.commit().await?;
                 return SeenKey {
-                    request_digest: seen.get("request_digest"),
-                    first_seq: seen.get("first_seq"),
-                    created_at: at(seen.get("created_at")),
-                    version: seen.get("version"),
+                    request_digest: seen.try_get("request_digest")?,
+                    first_seq: seen.try_get("first_seq")?,
+                    created_at: at(seen.try_get("created_at")?),
+                    version: seen.try_get("version")?,
                 }
                 .outcome(key, messages);
             }
@@ -499,7 +554,7 @@ impl Store for PostgresStore {
                 &mut tx,
                 tenant,
                 user,
-                row.get::<i64, _>("message_count") - cap as i64,
+                row.try_get::<i64, _>("message_count")? - db_count(cap),
             )
             .await?;
         }
@@ -525,21 +580,19 @@ impl Store for PostgresStore {
         Ok(AppendOutcome::Stored(result))
     }
 
-    async fn transcript(
+    async fn transcript_stream(
         &self,
         tenant: &Tenant,
         user: &UserId,
-    ) -> Result<Option<Transcript>, StoreError> {
-        let rows = sqlx::query(TRANSCRIPT)
-            .bind(tenant.as_str())
-            .bind(user.as_str())
-            .fetch_all(&self.pool)
+        deadline: Duration,
+    ) -> Result<TranscriptStream, StoreError> {
+        let slot = take_stream_slot(&self.streams)?;
+        // One snapshot for the version and every row: REPEATABLE READ.
+        let tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await?;
-        transcript_from(
-            rows.into_iter()
-                .map(|r| (r.get("version"), r.get("message")))
-                .collect(),
-        )
+        stream_transcript(tx, slot, tenant, user, deadline).await
     }
 
     async fn save_transcript(
@@ -565,23 +618,25 @@ impl Store for PostgresStore {
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(&incoming)
-            .bind(messages.len() as i64)
+            .bind(db_count(messages.len()))
             .bind(now.to_datetime())
             .fetch_one(&mut *tx)
             .await?;
-        let version: i64 = row.get("version");
-        let stored = row.get::<i64, _>("message_count") as usize;
+        let version: i64 = row.try_get("version")?;
+        let stored = row_count(row.try_get("message_count")?);
         if let Some(condition) = if_match {
-            if !condition.admits(version, stored as i64) {
+            if !condition.admits(version, db_count(stored)) {
                 tx.rollback().await?;
                 return Ok(SaveOutcome::PreconditionFailed {
                     current_version: version,
                 });
             }
         }
-        let difference: Option<(i64, i64)> = if row.get("snapshot_is_current") {
-            row.get::<Option<i64>, _>("differs_at")
-                .map(|pos| (pos, row.get("first_removed")))
+        let difference: Option<(i64, i64)> = if row.try_get("snapshot_is_current")? {
+            match row.try_get::<Option<i64>, _>("differs_at")? {
+                Some(pos) => Some((pos, row.try_get("first_removed")?)),
+                None => None,
+            }
         } else {
             // Another write committed while this one waited for the lock:
             // compare again, now that the lock is held.
@@ -589,35 +644,41 @@ impl Store for PostgresStore {
                 .bind(tenant.as_str())
                 .bind(user.as_str())
                 .bind(&incoming)
-                .bind(messages.len() as i64)
+                .bind(db_count(messages.len()))
                 .fetch_optional(&mut *tx)
                 .await?
         };
-        let kept = difference.map_or(stored, |(pos, _)| pos as usize - 1);
+        let kept = difference.map_or(stored, |(pos, _)| row_count(pos) - 1);
         let new = &messages[kept..];
         if kept == stored && new.is_empty() {
             tx.rollback().await?;
             return Ok(saved(version, stored, messages.len(), kept, 0));
         }
         let (bodies, digests) = columns(new);
-        let created_at = now.max(at(row.get("last_created_at")));
+        let created_at = now.max(at(row.try_get("last_created_at")?));
         let version: i64 = sqlx::query_scalar(REPLACE_SUFFIX)
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(difference.map_or(i64::MAX, |(_, seq)| seq))
-            .bind(row.get::<i64, _>("last_seq"))
+            .bind(row.try_get::<i64, _>("last_seq")?)
             .bind(created_at.to_datetime())
             .bind(bodies)
             .bind(digests)
-            .bind(new.len() as i64)
-            .bind(messages.len() as i64)
+            .bind(db_count(new.len()))
+            .bind(db_count(messages.len()))
             .bind(kept == 0)
             .bind(&transcript_digest(messages)[..])
             .fetch_one(&mut *tx)
             .await?;
         let evicted = match cap {
             Some(cap) => {
-                evict_oldest(&mut tx, tenant, user, messages.len() as i64 - cap as i64).await?
+                evict_oldest(
+                    &mut tx,
+                    tenant,
+                    user,
+                    db_count(messages.len()) - db_count(cap),
+                )
+                .await?
             }
             None => 0,
         };
@@ -625,35 +686,12 @@ impl Store for PostgresStore {
         Ok(saved(version, stored, messages.len(), kept, evicted))
     }
 
-    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
-        let mut total = 0;
-        loop {
-            let mut tx = self.pool.begin().await?;
-            let users: Vec<String> = sqlx::query_scalar(LOCK_EXPIRED_USERS)
-                .bind(tenant.as_str())
-                .bind(cutoff.to_datetime())
-                .bind(PURGE_USERS_PER_BATCH)
-                .fetch_all(&mut *tx)
-                .await?;
-            if users.is_empty() {
-                tx.commit().await?;
-                return Ok(total);
-            }
-            let deleted: i64 = sqlx::query_scalar(DELETE_EXPIRED)
-                .bind(tenant.as_str())
-                .bind(&users)
-                .bind(cutoff.to_datetime())
-                .bind(PURGE_ROWS_PER_BATCH)
-                .fetch_one(&mut *tx)
-                .await?;
-            sqlx::query(REFRESH_OLDEST)
-                .bind(tenant.as_str())
-                .bind(&users)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            total += deleted as u64;
-        }
+    async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError> {
+        let mut conn = self.pool.acquire().await?;
+        let cutoff = database_now(&mut conn)
+            .await?
+            .minus_seconds(max_age.as_secs());
+        purge_on(&mut conn, tenant, cutoff).await
     }
 
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
@@ -694,27 +732,29 @@ impl Store for PostgresStore {
 
     async fn retention_pass(
         &self,
-        cutoff: Option<Timestamp>,
-        keys_cutoff: Timestamp,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
     ) -> Result<Option<RetentionReport>, StoreError> {
         // A session-level advisory lock, held on one connection for the
-        // whole run; it dies with the session if this process does.
-        let mut lock = self.pool.acquire().await?;
+        // whole run, which also does the work: the run needs one connection
+        // of the pool, however small. The lock dies with the session if this
+        // process does.
+        let mut conn = self.pool.acquire().await?;
         let acquired: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(RETENTION_LOCK)
-            .fetch_one(&mut *lock)
+            .fetch_one(&mut *conn)
             .await?;
         if !acquired {
             return Ok(None);
         }
-        let report = self.retention_work(cutoff, keys_cutoff).await;
+        let report = retention_work(&mut conn, retention, keys_ttl).await;
         let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(RETENTION_LOCK)
-            .execute(&mut *lock)
+            .execute(&mut *conn)
             .await;
         if unlocked.is_err() {
             // Never hand a connection that may still hold the lock back to the pool.
-            let _ = lock.close().await;
+            let _ = conn.close().await;
         }
         report.map(Some)
     }
@@ -752,8 +792,14 @@ impl Store for PostgresStore {
         };
         let rows = rows
             .into_iter()
-            .map(|r| (r.get("seq"), at(r.get("created_at")), r.get("message")))
-            .collect();
+            .map(|r| {
+                Ok((
+                    r.try_get("seq")?,
+                    at(r.try_get("created_at")?),
+                    r.try_get("message")?,
+                ))
+            })
+            .collect::<Result<_, StoreError>>()?;
         assemble_page(rows, query)
     }
 
@@ -773,7 +819,7 @@ impl Store for PostgresStore {
         .fetch_optional(&self.pool)
         .await?;
         row.map(|r| {
-            StoredMessage::new(seq, at(r.get("created_at")), r.get("message"))
+            StoredMessage::new(seq, at(r.try_get("created_at")?), r.try_get("message")?)
                 .map_err(|e| StoreError::Corrupt(e.to_string()))
         })
         .transpose()
@@ -823,14 +869,17 @@ impl Store for PostgresStore {
             .bind(user.as_str())
             .fetch_optional(&self.pool)
             .await?;
-        Ok(row.map(|r| UserStats {
-            message_count: r.get("message_count"),
-            first_seq: r.get("first_seq"),
-            last_seq: r.get("last_seq"),
-            oldest_at: at(r.get("oldest_at")),
-            newest_at: at(r.get("newest_at")),
-            version: r.get("version"),
-        }))
+        row.map(|r| {
+            Ok(UserStats {
+                message_count: r.try_get("message_count")?,
+                first_seq: r.try_get("first_seq")?,
+                last_seq: r.try_get("last_seq")?,
+                oldest_at: at(r.try_get("oldest_at")?),
+                newest_at: at(r.try_get("newest_at")?),
+                version: r.try_get("version")?,
+            })
+        })
+        .transpose()
     }
 
     async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
@@ -873,13 +922,13 @@ impl Store for PostgresStore {
         let rows = rows
             .into_iter()
             .map(|r| {
-                (
-                    r.get("user_id"),
-                    r.get("message_count"),
-                    at(r.get("newest_at")),
-                )
+                Ok((
+                    r.try_get("user_id")?,
+                    r.try_get("message_count")?,
+                    at(r.try_get("newest_at")?),
+                ))
             })
-            .collect();
+            .collect::<Result<_, StoreError>>()?;
         users_page(rows, limit)
     }
 

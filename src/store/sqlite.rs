@@ -5,6 +5,8 @@
 //! an acknowledged append survives a power cut, not only a crash.
 
 use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use sqlx::migrate::Migrator;
@@ -16,16 +18,18 @@ use sqlx::Row;
 use std::collections::BTreeMap;
 
 use sqlx::{Sqlite, Transaction};
+use tokio::sync::Semaphore;
 
 use super::{
-    appended, assemble_page, latest_version, saved, transcript_from, users_page, ConnectOptions,
-    PoolStatus, RetentionReport, SeenKey, Store, StoreError, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    appended, assemble_page, db_count, latest_version, row_count, saved, stream_slots,
+    stream_transcript, take_stream_slot, users_page, ConnectOptions, PoolStatus, RetentionReport,
+    SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
     PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
-    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, Transcript, UserId,
-    UserStats, UserSummary,
+    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, UserId, UserStats,
+    UserSummary,
 };
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
@@ -38,9 +42,13 @@ const PURGE_ROWS_PER_BATCH: i64 = 200;
 /// limit of 32,766 bound values per statement.
 const INSERT_CHUNK: usize = 500;
 
+/// Messages deleted per write transaction when a user is cleared.
+const CLEAR_ROWS_PER_BATCH: i64 = 2000;
+
 pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
+    streams: Arc<Semaphore>,
 }
 
 impl SqliteStore {
@@ -60,7 +68,11 @@ impl SqliteStore {
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
             .connect_lazy_with(connect.read_only(true));
-        Ok(Self { writer, reader })
+        Ok(Self {
+            writer,
+            reader,
+            streams: stream_slots(options.max_connections),
+        })
     }
 
     /// A write transaction that takes SQLite's write lock at once, so that a
@@ -68,6 +80,122 @@ impl SqliteStore {
     /// failing when its read turns into a write.
     async fn write(&self) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
         self.writer.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    /// SQLite's clock (in this process, but read through the database like
+    /// every other backend's), for retention cutoffs.
+    async fn database_now(&self) -> Result<Timestamp, StoreError> {
+        let micros: i64 = sqlx::query_scalar(
+            "SELECT CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)",
+        )
+        .fetch_one(&self.reader)
+        .await?;
+        Ok(Timestamp::from_micros(micros))
+    }
+
+    /// Deletes the tenant's messages created before `cutoff`, a bounded
+    /// batch of users and rows per write transaction.
+    async fn purge_before(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.write().await?;
+            let users: Vec<String> = sqlx::query_scalar(
+                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND oldest_at < ?2
+                 ORDER BY oldest_at LIMIT ?3",
+            )
+            .bind(tenant.as_str())
+            .bind(cutoff.as_micros())
+            .bind(PURGE_USERS_PER_BATCH)
+            .fetch_all(&mut *tx)
+            .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let users = json_list(&users);
+            let gone: Vec<String> = sqlx::query_scalar(DELETE_EXPIRED)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .bind(cutoff.as_micros())
+                .bind(PURGE_ROWS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            let mut per_user: BTreeMap<String, i64> = BTreeMap::new();
+            for user in gone {
+                *per_user.entry(user).or_default() += 1;
+                total += 1;
+            }
+            for (user, deleted) in per_user {
+                sqlx::query(
+                    "UPDATE chat_users SET message_count = message_count - ?3, version = version + 1,
+                     transcript_digest = NULL
+                     WHERE tenant = ?1 AND user_id = ?2",
+                )
+                .bind(tenant.as_str())
+                .bind(user)
+                .bind(deleted)
+                .execute(&mut *tx)
+                .await?;
+            }
+            sqlx::query(REFRESH_OLDEST)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+    }
+
+    /// Deletes the user's messages up to its newest one now, a bounded batch
+    /// per write transaction, so that clearing a long history never holds
+    /// the only writer for long; appends arriving meanwhile are kept.
+    async fn clear_user_on(&self, tenant: &Tenant, user: &str) -> Result<u64, StoreError> {
+        let through: Option<i64> = sqlx::query_scalar(
+            "SELECT last_seq FROM chat_users
+             WHERE tenant = ?1 AND user_id = ?2 AND message_count > 0",
+        )
+        .bind(tenant.as_str())
+        .bind(user)
+        .fetch_optional(&self.reader)
+        .await?;
+        let Some(through) = through else {
+            return Ok(0);
+        };
+        let mut total = 0;
+        loop {
+            let mut tx = self.write().await?;
+            let deleted = sqlx::query(
+                "DELETE FROM chat_messages WHERE rowid IN (
+                    SELECT rowid FROM chat_messages
+                    WHERE tenant = ?1 AND user_id = ?2 AND seq <= ?3
+                    ORDER BY seq LIMIT ?4)",
+            )
+            .bind(tenant.as_str())
+            .bind(user)
+            .bind(through)
+            .bind(CLEAR_ROWS_PER_BATCH)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            if deleted == 0 {
+                tx.rollback().await?;
+                return Ok(total);
+            }
+            sqlx::query(
+                "UPDATE chat_users SET version = version + 1, message_count = message_count - ?3,
+                     transcript_digest = NULL,
+                     oldest_at = (SELECT created_at FROM chat_messages m
+                                  WHERE m.tenant = ?1 AND m.user_id = ?2 ORDER BY seq LIMIT 1)
+                 WHERE tenant = ?1 AND user_id = ?2",
+            )
+            .bind(tenant.as_str())
+            .bind(user)
+            .bind(db_count(deleted))
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            total += deleted;
+        }
     }
 }
 
@@ -123,14 +251,6 @@ SELECT pos, seq FROM (
     FROM chat_messages WHERE tenant = ?1 AND user_id = ?2)
 WHERE pos > ?4 OR digest IS NOT substr(?3, (pos - 1) * 16 + 1, 16)
 ORDER BY pos LIMIT 1
-"#;
-
-const TRANSCRIPT: &str = r#"
-SELECT u.version, m.message
-FROM chat_users u
-LEFT JOIN chat_messages m ON m.tenant = u.tenant AND m.user_id = u.user_id
-WHERE u.tenant = ?1 AND u.user_id = ?2
-ORDER BY m.seq
 "#;
 
 /// Deletes up to `?4` messages older than `?3` of the users in the JSON
@@ -237,7 +357,7 @@ async fn insert_messages(
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(created_at);
-        let chunk_first = first_seq + (chunk_index * INSERT_CHUNK) as i64;
+        let chunk_first = first_seq + db_count(chunk_index * INSERT_CHUNK);
         for (message, seq) in chunk.iter().zip(chunk_first..) {
             insert = insert
                 .bind(seq)
@@ -273,7 +393,7 @@ async fn evict_oldest(
     )
     .bind(tenant.as_str())
     .bind(user.as_str())
-    .bind(evicted as i64)
+    .bind(db_count(evicted))
     .execute(&mut **tx)
     .await?;
     Ok(evicted)
@@ -317,7 +437,7 @@ impl Store for SqliteStore {
         cap: Option<u64>,
         idempotency: Option<&Idempotency>,
     ) -> Result<AppendOutcome, StoreError> {
-        let count = messages.len() as i64;
+        let count = db_count(messages.len());
         let mut tx = self.write().await?;
         if let Some(key) = idempotency {
             let seen = sqlx::query(
@@ -332,10 +452,10 @@ impl Store for SqliteStore {
             if let Some(seen) = seen {
                 tx.commit().await?;
                 return SeenKey {
-                    request_digest: seen.get("request_digest"),
-                    first_seq: seen.get("first_seq"),
-                    created_at: at(seen.get("created_at")),
-                    version: seen.get("version"),
+                    request_digest: seen.try_get("request_digest")?,
+                    first_seq: seen.try_get("first_seq")?,
+                    created_at: at(seen.try_get("created_at")?),
+                    version: seen.try_get("version")?,
                 }
                 .outcome(key, messages);
             }
@@ -347,8 +467,8 @@ impl Store for SqliteStore {
             .bind(now.as_micros())
             .fetch_one(&mut *tx)
             .await?;
-        let last_seq: i64 = row.get("last_seq");
-        let created_at: i64 = row.get("last_created_at");
+        let last_seq: i64 = row.try_get("last_seq")?;
+        let created_at: i64 = row.try_get("last_created_at")?;
         let first_seq = last_seq - count + 1;
         insert_messages(&mut tx, tenant, user, first_seq, created_at, messages).await?;
         if let Some(cap) = cap {
@@ -356,11 +476,11 @@ impl Store for SqliteStore {
                 &mut tx,
                 tenant,
                 user,
-                row.get::<i64, _>("message_count") - cap as i64,
+                row.try_get::<i64, _>("message_count")? - db_count(cap),
             )
             .await?;
         }
-        let version: i64 = row.get("version");
+        let version: i64 = row.try_get("version")?;
         if let Some(key) = idempotency {
             sqlx::query(
                 "INSERT INTO chat_idempotency
@@ -387,21 +507,16 @@ impl Store for SqliteStore {
         )?))
     }
 
-    async fn transcript(
+    async fn transcript_stream(
         &self,
         tenant: &Tenant,
         user: &UserId,
-    ) -> Result<Option<Transcript>, StoreError> {
-        let rows = sqlx::query(TRANSCRIPT)
-            .bind(tenant.as_str())
-            .bind(user.as_str())
-            .fetch_all(&self.reader)
-            .await?;
-        transcript_from(
-            rows.into_iter()
-                .map(|r| (r.get("version"), r.get("message")))
-                .collect(),
-        )
+        deadline: Duration,
+    ) -> Result<TranscriptStream, StoreError> {
+        let slot = take_stream_slot(&self.streams)?;
+        // A read transaction on a WAL reader sees one snapshot throughout.
+        let tx = self.reader.begin().await?;
+        stream_transcript(tx, slot, tenant, user, deadline).await
     }
 
     async fn save_transcript(
@@ -420,17 +535,17 @@ impl Store for SqliteStore {
             .bind(now.as_micros())
             .fetch_one(&mut *tx)
             .await?;
-        let version: i64 = counters.get("version");
+        let version: i64 = counters.try_get("version")?;
         if let Some(condition) = if_match {
-            if !condition.admits(version, counters.get("message_count")) {
+            if !condition.admits(version, counters.try_get("message_count")?) {
                 tx.rollback().await?;
                 return Ok(SaveOutcome::PreconditionFailed {
                     current_version: version,
                 });
             }
         }
-        let stored = counters.get::<i64, _>("message_count") as usize;
-        let known: Option<Vec<u8>> = counters.get("transcript_digest");
+        let stored = row_count(counters.try_get("message_count")?);
+        let known: Option<Vec<u8>> = counters.try_get("transcript_digest")?;
         let extends = extends_saved(known.as_deref(), stored, messages);
         let difference: Option<(i64, i64)> = if extends {
             // What the last save stored is a prefix of this transcript.
@@ -441,11 +556,11 @@ impl Store for SqliteStore {
                 .bind(tenant.as_str())
                 .bind(user.as_str())
                 .bind(incoming)
-                .bind(messages.len() as i64)
+                .bind(db_count(messages.len()))
                 .fetch_optional(&mut *tx)
                 .await?
         };
-        let kept = difference.map_or(stored, |(pos, _)| pos as usize - 1);
+        let kept = difference.map_or(stored, |(pos, _)| row_count(pos) - 1);
         if kept == stored && kept == messages.len() {
             tx.rollback().await?;
             return Ok(saved(version, stored, messages.len(), kept, 0));
@@ -461,21 +576,27 @@ impl Store for SqliteStore {
             .await?;
         }
         let new = &messages[kept..];
-        let created_at = now.as_micros().max(counters.get("last_created_at"));
-        let last_seq: i64 = counters.get("last_seq");
+        let created_at = now.as_micros().max(counters.try_get("last_created_at")?);
+        let last_seq: i64 = counters.try_get("last_seq")?;
         insert_messages(&mut tx, tenant, user, last_seq + 1, created_at, new).await?;
         let version: i64 = sqlx::query_scalar(FINISH_SAVE)
             .bind(tenant.as_str())
             .bind(user.as_str())
-            .bind(new.len() as i64)
-            .bind(messages.len() as i64)
+            .bind(db_count(new.len()))
+            .bind(db_count(messages.len()))
             .bind(created_at)
             .bind(transcript_digest(messages).to_vec())
             .fetch_one(&mut *tx)
             .await?;
         let evicted = match cap {
             Some(cap) => {
-                evict_oldest(&mut tx, tenant, user, messages.len() as i64 - cap as i64).await?
+                evict_oldest(
+                    &mut tx,
+                    tenant,
+                    user,
+                    db_count(messages.len()) - db_count(cap),
+                )
+                .await?
             }
             None => 0,
         };
@@ -483,109 +604,52 @@ impl Store for SqliteStore {
         Ok(saved(version, stored, messages.len(), kept, evicted))
     }
 
-    async fn purge_expired(&self, tenant: &Tenant, cutoff: Timestamp) -> Result<u64, StoreError> {
-        let mut total = 0;
-        loop {
-            let mut tx = self.write().await?;
-            let users: Vec<String> = sqlx::query_scalar(
-                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND oldest_at < ?2
-                 ORDER BY oldest_at LIMIT ?3",
-            )
-            .bind(tenant.as_str())
-            .bind(cutoff.as_micros())
-            .bind(PURGE_USERS_PER_BATCH)
-            .fetch_all(&mut *tx)
-            .await?;
-            if users.is_empty() {
-                tx.commit().await?;
-                return Ok(total);
-            }
-            let users = json_list(&users);
-            let gone: Vec<String> = sqlx::query_scalar(DELETE_EXPIRED)
-                .bind(tenant.as_str())
-                .bind(&users)
-                .bind(cutoff.as_micros())
-                .bind(PURGE_ROWS_PER_BATCH)
-                .fetch_all(&mut *tx)
-                .await?;
-            let mut per_user: BTreeMap<String, i64> = BTreeMap::new();
-            for user in gone {
-                *per_user.entry(user).or_default() += 1;
-                total += 1;
-            }
-            for (user, deleted) in per_user {
-                sqlx::query(
-                    "UPDATE chat_users SET message_count = message_count - ?3, version = version + 1,
-                     transcript_digest = NULL
-                     WHERE tenant = ?1 AND user_id = ?2",
-                )
-                .bind(tenant.as_str())
-                .bind(user)
-                .bind(deleted)
-                .execute(&mut *tx)
-                .await?;
-            }
-            sqlx::query(REFRESH_OLDEST)
-                .bind(tenant.as_str())
-                .bind(&users)
-                .execute(&mut *tx)
-                .await?;
-            tx.commit().await?;
-        }
+    async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError> {
+        let cutoff = self.database_now().await?.minus_seconds(max_age.as_secs());
+        self.purge_before(tenant, cutoff).await
     }
 
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
+        // User by user, each in batches, moving forward by key so that
+        // appends arriving meanwhile cannot keep it going.
         let mut total = 0;
+        let mut after = String::new();
         loop {
-            let mut tx = self.write().await?;
             let users: Vec<String> = sqlx::query_scalar(
-                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND message_count > 0
-                 ORDER BY user_id LIMIT ?2",
+                "SELECT user_id FROM chat_users WHERE tenant = ?1 AND user_id > ?2
+                 AND message_count > 0 ORDER BY user_id LIMIT ?3",
             )
             .bind(tenant.as_str())
+            .bind(&after)
             .bind(CLEAR_USERS_PER_BATCH)
-            .fetch_all(&mut *tx)
+            .fetch_all(&self.reader)
             .await?;
-            if users.is_empty() {
-                tx.commit().await?;
+            let Some(last) = users.last() else {
                 return Ok(total);
+            };
+            after = last.clone();
+            for user in users {
+                total += self.clear_user_on(tenant, &user).await?;
             }
-            let users = json_list(&users);
-            total += sqlx::query(
-                "DELETE FROM chat_messages
-                 WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2))",
-            )
-            .bind(tenant.as_str())
-            .bind(&users)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-            sqlx::query(
-                "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
-                 transcript_digest = NULL
-                 WHERE tenant = ?1 AND user_id IN (SELECT value FROM json_each(?2))",
-            )
-            .bind(tenant.as_str())
-            .bind(&users)
-            .execute(&mut *tx)
-            .await?;
-            tx.commit().await?;
         }
     }
 
     /// SQLite is one process's file, so no lock between replicas is needed.
     async fn retention_pass(
         &self,
-        cutoff: Option<Timestamp>,
-        keys_cutoff: Timestamp,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
     ) -> Result<Option<RetentionReport>, StoreError> {
+        let now = self.database_now().await?;
         let mut report = RetentionReport::default();
-        if let Some(cutoff) = cutoff {
+        if let Some(retention) = retention {
+            let cutoff = now.minus_seconds(retention.as_secs());
             let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&self.reader).await?;
             for tenant in tenants {
-                report.messages += self.purge_expired(&Tenant::new(tenant), cutoff).await?;
+                report.messages += self.purge_before(&Tenant::new(tenant), cutoff).await?;
             }
         }
+        let keys_cutoff = now.minus_seconds(keys_ttl.as_secs());
         loop {
             let deleted = sqlx::query(
                 "DELETE FROM chat_idempotency WHERE rowid IN (
@@ -647,8 +711,14 @@ impl Store for SqliteStore {
         };
         let rows = rows
             .into_iter()
-            .map(|r| (r.get("seq"), at(r.get("created_at")), r.get("message")))
-            .collect();
+            .map(|r| {
+                Ok((
+                    r.try_get("seq")?,
+                    at(r.try_get("created_at")?),
+                    r.try_get("message")?,
+                ))
+            })
+            .collect::<Result<_, StoreError>>()?;
         assemble_page(rows, query)
     }
 
@@ -668,7 +738,7 @@ impl Store for SqliteStore {
         .fetch_optional(&self.reader)
         .await?;
         row.map(|r| {
-            StoredMessage::new(seq, at(r.get("created_at")), r.get("message"))
+            StoredMessage::new(seq, at(r.try_get("created_at")?), r.try_get("message")?)
                 .map_err(|e| StoreError::Corrupt(e.to_string()))
         })
         .transpose()
@@ -716,38 +786,21 @@ impl Store for SqliteStore {
             .bind(user.as_str())
             .fetch_optional(&self.reader)
             .await?;
-        Ok(row.map(|r| UserStats {
-            message_count: r.get("message_count"),
-            first_seq: r.get("first_seq"),
-            last_seq: r.get("last_seq"),
-            oldest_at: at(r.get("oldest_at")),
-            newest_at: at(r.get("newest_at")),
-            version: r.get("version"),
-        }))
+        row.map(|r| {
+            Ok(UserStats {
+                message_count: r.try_get("message_count")?,
+                first_seq: r.try_get("first_seq")?,
+                last_seq: r.try_get("last_seq")?,
+                oldest_at: at(r.try_get("oldest_at")?),
+                newest_at: at(r.try_get("newest_at")?),
+                version: r.try_get("version")?,
+            })
+        })
+        .transpose()
     }
 
     async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
-        let mut tx = self.write().await?;
-        let deleted = sqlx::query("DELETE FROM chat_messages WHERE tenant = ?1 AND user_id = ?2")
-            .bind(tenant.as_str())
-            .bind(user.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if deleted == 0 {
-            return Ok(0);
-        }
-        sqlx::query(
-            "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
-                 transcript_digest = NULL
-             WHERE tenant = ?1 AND user_id = ?2",
-        )
-        .bind(tenant.as_str())
-        .bind(user.as_str())
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(deleted)
+        self.clear_user_on(tenant, user.as_str()).await
     }
 
     async fn list_users(
@@ -765,13 +818,13 @@ impl Store for SqliteStore {
         let rows = rows
             .into_iter()
             .map(|r| {
-                (
-                    r.get("user_id"),
-                    r.get("message_count"),
-                    at(r.get("newest_at")),
-                )
+                Ok((
+                    r.try_get("user_id")?,
+                    r.try_get("message_count")?,
+                    at(r.try_get("newest_at")?),
+                ))
             })
-            .collect();
+            .collect::<Result<_, StoreError>>()?;
         users_page(rows, limit)
     }
 

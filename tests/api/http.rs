@@ -544,7 +544,9 @@ impl OneshotText for axum::Router {
 #[tokio::test]
 async fn unreachable_postgres_is_503_with_retry_after() {
     let store = chat_history::store::connect(
-        "postgres://postgres:secret-password@127.0.0.1:1/chat",
+        &chat_history::store::DatabaseUrl::new(
+            "postgres://postgres:secret-password@127.0.0.1:1/chat",
+        ),
         chat_history::store::ConnectOptions {
             max_connections: 2,
             acquire_timeout: std::time::Duration::from_millis(500),

@@ -2,10 +2,11 @@
 //! and the per-user cap.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::http::{Method, StatusCode};
 use chat_history::domain::{
-    AppendOutcome, HistoryQuery, Idempotency, NewMessage, Tenant, Timestamp, UserId,
+    digest16, AppendOutcome, HistoryQuery, Idempotency, NewMessage, Tenant, Timestamp, UserId,
 };
 use chat_history::Limits;
 use serde_json::{json, Value};
@@ -231,7 +232,7 @@ async fn purge_runs_in_bounded_batches_across_many_users(backend: Backend) {
     store_append(&app, "big", &["keep"], Timestamp::now()).await;
     let deleted = app
         .store
-        .purge_expired(&tenant, Timestamp::now().minus_seconds(3600))
+        .purge_expired(&tenant, Duration::from_secs(3600))
         .await
         .unwrap();
     assert_eq!(deleted, 300 + 2500);
@@ -364,7 +365,7 @@ async fn retention_pass_purges_messages_and_old_keys(backend: Backend) {
             .await
             .unwrap();
     }
-    let key = Idempotency::new("k", &json!({"x": 1})).unwrap();
+    let key = Idempotency::new("k", digest16(r#"{"x":1}"#)).unwrap();
     app.store
         .append_messages(
             &a,
@@ -378,7 +379,7 @@ async fn retention_pass_purges_messages_and_old_keys(backend: Backend) {
         .unwrap();
     let report = app
         .store
-        .retention_pass(Some(now.minus_seconds(50)), now.minus_seconds(10))
+        .retention_pass(Some(Duration::from_secs(50)), Duration::from_secs(1000))
         .await
         .unwrap()
         .expect("no other replica holds the retention lock");
@@ -387,9 +388,11 @@ async fn retention_pass_purges_messages_and_old_keys(backend: Backend) {
         report.idempotency_keys, 0,
         "the key is younger than its cut-off"
     );
+    // Cut-offs come from the database's clock: let the key grow older than one.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
     let report = app
         .store
-        .retention_pass(None, Timestamp::from_micros(now.as_micros() + 10_000_000))
+        .retention_pass(None, Duration::from_secs(1))
         .await
         .unwrap()
         .unwrap();
@@ -468,7 +471,7 @@ async fn postgres_retention_runs_on_one_replica_at_a_time() {
         .unwrap();
     let skipped = app
         .store
-        .retention_pass(Some(now.minus_seconds(10)), now.minus_seconds(86_400))
+        .retention_pass(Some(Duration::from_secs(10)), Duration::from_secs(86_400))
         .await
         .unwrap();
     assert_eq!(skipped, None, "another replica is running retention");
@@ -480,7 +483,7 @@ async fn postgres_retention_runs_on_one_replica_at_a_time() {
         .unwrap();
     let ran = app
         .store
-        .retention_pass(Some(now.minus_seconds(10)), now.minus_seconds(86_400))
+        .retention_pass(Some(Duration::from_secs(10)), Duration::from_secs(86_400))
         .await
         .unwrap()
         .expect("the lock is free again");

@@ -2,7 +2,9 @@
 //! Postgres database and a real SQLite file.
 
 mod access;
+mod clock;
 mod concurrency;
+mod hostile;
 mod http;
 mod lifecycle;
 mod operations;

@@ -3,14 +3,18 @@
 //! `TEST_DATABASE_URL` (default: the local server as user `postgres`); when
 //! it cannot be reached the test fails, it never skips.
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{header, HeaderMap, Method, Request, StatusCode};
 use axum::Router;
 use chat_history::auth::Access;
-use chat_history::store::{self, ConnectOptions, Store};
+use chat_history::store::{self, ConnectOptions, DatabaseUrl, Store};
 use chat_history::{router, AppState, Limits};
 use http_body_util::BodyExt;
 use serde_json::Value;
@@ -116,7 +120,7 @@ impl TestDb {
     }
 
     pub async fn unmigrated_store(&self) -> Arc<dyn Store> {
-        store::connect(&self.url, ConnectOptions::default())
+        store::connect(&DatabaseUrl::new(&self.url), ConnectOptions::default())
             .await
             .expect("connect to the test database")
     }
@@ -298,5 +302,120 @@ impl Reply {
         let detail = self.body["detail"].as_str().expect("a detail").to_string();
         assert!(!detail.is_empty());
         detail
+    }
+}
+
+/// A service process (the built binary) on `127.0.0.1`, killed when dropped.
+pub struct Replica {
+    child: Child,
+    pub address: SocketAddr,
+    pub logs: Arc<Mutex<String>>,
+}
+
+impl Replica {
+    pub fn start(database_url: &str) -> Self {
+        Self::start_with(database_url, &[])
+    }
+
+    /// A replica with more settings (`envs`), and its logs kept.
+    pub fn start_with(database_url: &str, envs: &[(&str, &str)]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let address: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_chat-history"))
+            .arg("serve")
+            .env("DATABASE_URL", database_url)
+            .env("CHAT_HISTORY_BIND", address.to_string())
+            .env("CHAT_HISTORY_RETENTION", "1h")
+            .env("CHAT_HISTORY_CLEANUP_INTERVAL", "1s")
+            .env("CHAT_HISTORY_LOG_FORMAT", "json")
+            .env("RUST_LOG", "chat_history=debug")
+            .envs(envs.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a replica");
+        let logs = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut logs = sink.lock().unwrap();
+                logs.push_str(&line);
+                logs.push('\n');
+            }
+        });
+        let replica = Self {
+            child,
+            address,
+            logs,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while replica.http("GET", "/healthz", None).0 != 200 {
+            assert!(Instant::now() < deadline, "replica did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        replica
+    }
+
+    /// One HTTP/1.1 exchange on a fresh connection: (status, body).
+    pub fn http(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, String) {
+        let Ok(mut stream) = TcpStream::connect(self.address) else {
+            return (0, String::new());
+        };
+        let body = body.map(Value::to_string).unwrap_or_default();
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        let status = response
+            .get(9..12)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (status, body)
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.http("GET", "/metrics", None);
+        text.lines()
+            .filter(|line| line.starts_with(name))
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// (start, end) of each retention run this replica finished, in seconds.
+    pub fn retention_runs(&self) -> Vec<(f64, f64)> {
+        self.logs
+            .lock()
+            .unwrap()
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|event| event["message"] == "retention run finished")
+            .map(|event| {
+                let end = chrono::DateTime::parse_from_rfc3339(event["timestamp"].as_str().unwrap())
+                    .unwrap()
+                    .timestamp_micros() as f64
+                    / 1e6;
+                (end - event["seconds"].as_f64().unwrap(), end)
+            })
+            .collect()
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

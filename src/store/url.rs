@@ -1,0 +1,195 @@
+//! `DATABASE_URL` as a secret: the text is held in a `SecretString`, exposed
+//! only to open the pools, and everything that prints it (`Display`,
+//! `Debug`, errors, logs) prints the redacted form, whatever part of the URL
+//! carries the password.
+
+use std::fmt;
+use std::str::FromStr;
+
+use secrecy::{ExposeSecret, SecretString};
+use url::Url;
+
+/// What stands in for a secret in a printed URL.
+const REDACTED: &str = "***";
+
+/// The libpq parameters sqlx understands in a Postgres URL; any other is
+/// dropped before sqlx sees it (sqlx would log its value, which may be a
+/// secret such as `sslpassword`).
+const POSTGRES_PARAMETERS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// A `DATABASE_URL`.
+#[derive(Clone)]
+pub struct DatabaseUrl(SecretString);
+
+impl DatabaseUrl {
+    pub fn new(url: &str) -> Self {
+        Self(SecretString::from(url))
+    }
+
+    /// The URL itself, for the driver only.
+    pub(super) fn expose(&self) -> &str {
+        self.0.expose_secret()
+    }
+
+    pub fn is_postgres(&self) -> bool {
+        let url = self.expose();
+        url.starts_with("postgres://") || url.starts_with("postgresql://")
+    }
+
+    pub fn is_sqlite(&self) -> bool {
+        self.expose().starts_with("sqlite:")
+    }
+
+    /// The URL for sqlx's Postgres driver, without the parameters it does
+    /// not know, and the names of those (never their values) for a warning.
+    pub(super) fn for_postgres(&self) -> (SecretString, Vec<String>) {
+        let Ok(mut url) = Url::parse(self.expose()) else {
+            return (self.0.clone(), Vec::new());
+        };
+        let (known, unknown): (Vec<_>, Vec<_>) = url
+            .query_pairs()
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .partition(|(k, _)| {
+                POSTGRES_PARAMETERS.contains(&k.as_str()) || k.starts_with("options[")
+            });
+        if unknown.is_empty() {
+            return (self.0.clone(), Vec::new());
+        }
+        if known.is_empty() {
+            url.set_query(None);
+        } else {
+            url.query_pairs_mut().clear().extend_pairs(known);
+        }
+        (
+            SecretString::from(url.as_str()),
+            unknown.into_iter().map(|(k, _)| k).collect(),
+        )
+    }
+
+    /// The URL with every password replaced: in the user info, and in any
+    /// query parameter whose (percent-decoded) name mentions a password.
+    /// A URL that does not parse is shown by its scheme alone.
+    pub fn redacted(&self) -> String {
+        let text = self.expose();
+        let Ok(mut url) = Url::parse(text) else {
+            let scheme = text.split_once(':').map_or("", |(scheme, _)| scheme);
+            let scheme: String = scheme
+                .chars()
+                .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+                .collect();
+            return format!("{scheme}:(a URL that does not parse, not shown)");
+        };
+        if url.password().is_some() {
+            let _ = url.set_password(Some(REDACTED));
+        }
+        if url.query().is_some() {
+            let pairs: Vec<(String, String)> = url
+                .query_pairs()
+                .map(|(k, v)| {
+                    let secret = k.to_ascii_lowercase().contains("pass");
+                    let v = if secret {
+                        REDACTED.into()
+                    } else {
+                        v.into_owned()
+                    };
+                    (k.into_owned(), v)
+                })
+                .collect();
+            url.query_pairs_mut().clear().extend_pairs(pairs);
+        }
+        url.set_fragment(None);
+        url.into()
+    }
+}
+
+impl FromStr for DatabaseUrl {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(Self::new(s))
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DatabaseUrl({:?})", self.redacted())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_show() {
+        for (url, secret) in [
+            ("postgres://app:s3cret@db:5432/chat", "s3cret"),
+            ("postgres://app:s3cr%65t@db/chat", "s3cr"),
+            ("postgres://app@db/chat?password=s3cret", "s3cret"),
+            (
+                "postgres://app@db/chat?sslmode=require&pass%77ord=s3cret",
+                "s3cret",
+            ),
+            ("postgres://app@db/chat?sslpassword=s3cret", "s3cret"),
+            ("postgres://app:s3cret@db:notaport/chat", "s3cret"),
+            ("postgres://app:s3cret@[::1/chat", "s3cret"),
+        ] {
+            let url = DatabaseUrl::new(url);
+            for shown in [url.to_string(), format!("{url:?}"), url.redacted()] {
+                assert!(!shown.contains(secret), "{shown}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_rest_of_the_url_stays_readable() {
+        assert_eq!(
+            DatabaseUrl::new("postgres://app:s3cret@db:5432/chat?sslmode=verify-full").redacted(),
+            "postgres://app:***@db:5432/chat?sslmode=verify-full"
+        );
+        assert_eq!(
+            DatabaseUrl::new("postgres://app@db/chat").redacted(),
+            "postgres://app@db/chat"
+        );
+        assert_eq!(
+            DatabaseUrl::new("sqlite://chat.db").redacted(),
+            "sqlite://chat.db"
+        );
+    }
+
+    #[test]
+    fn unknown_parameters_are_named_not_passed_on() {
+        let url = DatabaseUrl::new("postgres://app@db/chat?sslmode=require&sslpassword=s3cret");
+        let (cleaned, dropped) = url.for_postgres();
+        assert_eq!(dropped, ["sslpassword"]);
+        assert_eq!(
+            cleaned.expose_secret(),
+            "postgres://app@db/chat?sslmode=require"
+        );
+    }
+}

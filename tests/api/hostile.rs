@@ -1,0 +1,587 @@
+//! Hostile clients: what one caller does must not exhaust the service for
+//! the others. Metrics labels from closed sets, connection and request caps
+//! shed with 503, bounded memory for transcripts, panics answered as
+//! problems, access that fails closed, and writes that time out saying so.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::FromRequestParts;
+use axum::http::{header, Method, Request, StatusCode};
+use axum::routing::get;
+use axum::Router;
+use chat_history::auth::Access;
+use chat_history::domain::{NewMessage, Tenant, Timestamp, UserId};
+use chat_history::server::launch;
+use chat_history::store::ConnectOptions;
+use chat_history::{AppState, Limits};
+use http_body_util::BodyExt;
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+use tower::ServiceExt;
+
+use crate::on_both_backends;
+use crate::support::{request, Backend, TestApp, TestDb};
+
+on_both_backends!(
+    a_transcript_is_streamed_whole_with_the_version_of_its_snapshot,
+    a_save_over_max_transcript_messages_is_422_and_stores_nothing,
+    clearing_a_long_history_works_in_batches,
+    retention_runs_on_a_pool_of_one_connection,
+    slow_transcript_readers_cannot_hold_every_connection,
+);
+
+#[tokio::test]
+async fn metrics_labels_come_from_closed_sets() {
+    let app = TestApp::new(Backend::Sqlite).await;
+    for i in 0..40 {
+        let method = Method::from_bytes(format!("XMETHOD{i}").as_bytes()).unwrap();
+        app.send(request(method, "/healthz", None)).await;
+        app.get(&format!("/nothing/here/{i}")).await;
+        let method = Method::from_bytes(format!("YMETHOD{i}").as_bytes()).unwrap();
+        app.send(request(method, "/v1/users/u/messages", None))
+            .await;
+    }
+    let body = app
+        .router
+        .clone()
+        .oneshot(request(Method::GET, "/metrics", None))
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    let series: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("chat_history_http_requests_total"))
+        .collect();
+    assert!(!series.is_empty(), "{text}");
+    for line in &series {
+        assert!(
+            !line.contains("METHOD"),
+            "an invented method became a label: {line}"
+        );
+        assert!(
+            !line.contains("/nothing"),
+            "a raw path became a label: {line}"
+        );
+        let method = line
+            .split("method=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert!(
+            ["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "other"].contains(&method),
+            "{line}"
+        );
+    }
+    assert!(
+        series.iter().any(|l| l.contains("method=\"other\"")),
+        "{text}"
+    );
+    assert!(
+        series.iter().any(|l| l.contains("route=\"unmatched\"")),
+        "{text}"
+    );
+}
+
+/// A server on a free port with `limits`, over SQLite, stopped when dropped.
+struct Served {
+    address: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _db: TestDb,
+}
+
+impl Served {
+    async fn start(limits: Limits) -> Self {
+        let db = TestDb::new(Backend::Sqlite).await;
+        let state = AppState::open(db.store().await, limits);
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(launch(listener, state, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            address,
+            stop: Some(stop),
+            _db: db,
+        }
+    }
+
+    fn connect(&self) -> TcpStream {
+        let stream = TcpStream::connect(self.address).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
+        stream
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// Seconds until the server closes `stream` (reads until EOF or a reset).
+fn seconds_until_closed(mut stream: TcpStream) -> f64 {
+    let started = Instant::now();
+    let mut buffer = [0u8; 4096];
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) | Err(_) => return started.elapsed().as_secs_f64(),
+            Ok(_) => {}
+        }
+    }
+}
+
+/// Reads one whole response with `Connection: close` semantics.
+fn response(stream: &mut TcpStream) -> String {
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_sent_head_and_an_idle_connection_are_closed_after_the_header_timeout() {
+    let served = Served::start(Limits {
+        header_timeout: Duration::from_secs(1),
+        ..Limits::default()
+    })
+    .await;
+    let mut half = served.connect();
+    half.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let mut idle = served.connect();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut first = [0u8; 12];
+    idle.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    let (half, idle) = tokio::task::spawn_blocking(move || {
+        (seconds_until_closed(half), seconds_until_closed(idle))
+    })
+    .await
+    .unwrap();
+    println!("half-sent head closed after {half:.1} s, idle keep-alive after {idle:.1} s");
+    assert!(half < 5.0, "a half-sent head stayed open {half:.1} s");
+    assert!(
+        idle < 5.0,
+        "an idle keep-alive connection stayed open {idle:.1} s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_over_the_cap_gets_503_and_the_rest_are_served() {
+    let served = Served::start(Limits {
+        max_connections: 3,
+        ..Limits::default()
+    })
+    .await;
+    let held: Vec<TcpStream> = (0..3).map(|_| served.connect()).collect();
+    // Let the server accept them before the one over the cap arrives.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut over = served.connect();
+    over.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let answer = tokio::task::spawn_blocking(move || response(&mut over))
+        .await
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    let lower = answer.to_ascii_lowercase();
+    assert!(lower.contains("retry-after: 1"), "{answer}");
+    assert!(
+        lower.contains("content-type: application/problem+json"),
+        "{answer}"
+    );
+    assert!(answer.contains("CHAT_HISTORY_MAX_CONNECTIONS"), "{answer}");
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut stream = served.connect();
+        stream
+            .write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .unwrap();
+        let answer = tokio::task::spawn_blocking(move || response(&mut stream))
+            .await
+            .unwrap();
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "connections were not freed: {answer}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Sends the head and the first byte of an append of `length` bytes; the
+/// request stays in flight until the rest arrives.
+fn start_append(served: &Served, user: &str, length: usize) -> TcpStream {
+    let mut stream = served.connect();
+    write!(
+        stream,
+        "POST /v1/users/{user}/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n{{"
+    )
+    .unwrap();
+    stream
+}
+
+/// Sends the rest of an append started by `start_append`: one message,
+/// padded to `length` bytes in all.
+fn finish_append(mut stream: TcpStream, length: usize) -> String {
+    let head = r#""messages":[{"role":"user","content":""#;
+    let tail = r#""}]}"#;
+    let padding = "x".repeat(length - 1 - head.len() - tail.len());
+    write!(stream, "{head}{padding}{tail}").unwrap();
+    response(&mut stream)
+}
+
+async fn get_status(served: &Served, path: &str) -> String {
+    let mut stream = served.connect();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    tokio::task::spawn_blocking(move || response(&mut stream))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_over_the_in_flight_cap_get_503_and_probes_still_answer() {
+    let served = Served::start(Limits {
+        max_in_flight: 2,
+        ..Limits::default()
+    })
+    .await;
+    let slow: Vec<TcpStream> = (0..2)
+        .map(|i| start_append(&served, &format!("s{i}"), 100))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let shed = get_status(&served, "/v1/users/u/messages").await;
+    assert!(shed.starts_with("HTTP/1.1 503"), "{shed}");
+    assert!(
+        shed.to_ascii_lowercase().contains("retry-after: 1"),
+        "{shed}"
+    );
+    assert!(shed.contains("CHAT_HISTORY_MAX_IN_FLIGHT"), "{shed}");
+    let probe = get_status(&served, "/healthz").await;
+    assert!(probe.starts_with("HTTP/1.1 200"), "{probe}");
+    for stream in slow {
+        let answer = tokio::task::spawn_blocking(move || finish_append(stream, 100))
+            .await
+            .unwrap();
+        assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+    }
+    let after = get_status(&served, "/v1/users/u/messages").await;
+    assert!(after.starts_with("HTTP/1.1 200"), "{after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_in_flight_byte_budget_get_503() {
+    let served = Served::start(Limits {
+        max_body_bytes: 8192,
+        max_in_flight_body_bytes: 8192,
+        ..Limits::default()
+    })
+    .await;
+    let big = start_append(&served, "big", 8000);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let small = start_append(&served, "small", 100);
+    let shed = tokio::task::spawn_blocking(move || finish_append(small, 100))
+        .await
+        .unwrap();
+    assert!(shed.starts_with("HTTP/1.1 503"), "{shed}");
+    assert!(
+        shed.contains("CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES"),
+        "{shed}"
+    );
+    let done = tokio::task::spawn_blocking(move || finish_append(big, 8000))
+        .await
+        .unwrap();
+    assert!(done.starts_with("HTTP/1.1 201"), "{done}");
+    let again = start_append(&served, "small", 100);
+    let stored = tokio::task::spawn_blocking(move || finish_append(again, 100))
+        .await
+        .unwrap();
+    assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
+}
+
+#[tokio::test]
+async fn a_panic_is_a_problem_500_and_the_service_stays_up() {
+    let app = chat_history::api::outer_layers(Router::new().route(
+        "/boom",
+        get(|| async {
+            panic!("secret internals: SELECT * FROM chat_messages");
+            #[allow(unreachable_code)]
+            ""
+        }),
+    ));
+    for _ in 0..2 {
+        let response = app
+            .clone()
+            .oneshot(request(Method::GET, "/boom", None))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["status"], 500);
+        assert!(!body.to_string().contains("secret"), "{body}");
+    }
+}
+
+#[tokio::test]
+async fn with_keys_a_handler_never_runs_without_a_verified_tenant() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let (access, _) = Access::from_entries(
+        ["acme:user:key-0123456789abcdef"].into_iter(),
+        |i| format!("entry {i}"),
+        None,
+    )
+    .unwrap();
+    let state = AppState {
+        store: db.store().await,
+        limits: Limits::default(),
+        access: Arc::new(access),
+    };
+    // A request that reached a handler without passing access control (as a
+    // route mounted outside `/v1` would): the extractor refuses it.
+    let (mut parts, _) = Request::builder()
+        .uri("/elsewhere")
+        .body(())
+        .unwrap()
+        .into_parts();
+    let refused = Tenant::from_request_parts(&mut parts, &state)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+    assert!(refused.headers().contains_key(header::WWW_AUTHENTICATE));
+    // Open service: the default tenant.
+    let open = AppState::open(db.store().await, Limits::default());
+    let tenant = Tenant::from_request_parts(&mut parts, &open).await.unwrap();
+    assert_eq!(tenant, Tenant::default_tenant());
+}
+
+#[tokio::test]
+async fn a_write_that_times_out_says_its_outcome_is_unknown() {
+    let app = TestApp::with_limits(
+        Backend::Sqlite,
+        Limits {
+            request_timeout: Duration::from_secs(1),
+            ..Limits::default()
+        },
+    )
+    .await;
+    // A body that never ends: the append cannot finish within the timeout.
+    let never = futures_util::stream::pending::<Result<axum::body::Bytes, std::io::Error>>();
+    let stalled = Request::builder()
+        .method(Method::POST)
+        .uri("/v1/users/u/messages")
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from_stream(never))
+        .unwrap();
+    let reply = app.send(stalled).await;
+    let detail = reply.problem(StatusCode::SERVICE_UNAVAILABLE);
+    assert!(detail.contains("unknown"), "{detail}");
+    assert!(detail.contains("Idempotency-Key"), "{detail}");
+    assert_eq!(reply.headers[header::RETRY_AFTER], "1");
+}
+
+fn turns(prefix: &str, n: usize) -> Vec<Value> {
+    (0..n)
+        .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("{prefix}{i}"), "n": i}))
+        .collect()
+}
+
+async fn a_transcript_is_streamed_whole_with_the_version_of_its_snapshot(backend: Backend) {
+    let app = TestApp::new(backend).await;
+    // Several chunks of the streamed body, appended in batches.
+    let all = turns(
+        "a fairly long message to fill the chunks of the stream ",
+        3000,
+    );
+    for batch in all.chunks(1000) {
+        app.append("long", json!(batch)).await;
+    }
+    let reply = app.get("/v1/users/long/transcript").await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body["messages"], json!(all));
+    assert_eq!(reply.body["user_id"], "long");
+    assert_eq!(reply.body["version"], 3);
+    assert_eq!(reply.headers[header::ETAG], "\"3\"");
+    assert_eq!(reply.headers[header::CONTENT_TYPE], "application/json");
+}
+
+async fn a_save_over_max_transcript_messages_is_422_and_stores_nothing(backend: Backend) {
+    let app = TestApp::with_limits(
+        backend,
+        Limits {
+            max_transcript_messages: 5,
+            ..Limits::default()
+        },
+    )
+    .await;
+    let put = |messages: Vec<Value>| {
+        request(
+            Method::PUT,
+            "/v1/users/t/transcript",
+            Some(json!({ "messages": messages }).to_string()),
+        )
+    };
+    let detail = app
+        .send(put(turns("m", 6)))
+        .await
+        .problem(StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        detail.contains("CHAT_HISTORY_MAX_TRANSCRIPT_MESSAGES") && detail.contains('5'),
+        "{detail}"
+    );
+    assert_eq!(
+        app.get("/v1/users/t/transcript").await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(app.send(put(turns("m", 5))).await.status, StatusCode::OK);
+}
+
+async fn clearing_a_long_history_works_in_batches(backend: Backend) {
+    let app = TestApp::new(backend).await;
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("long").unwrap());
+    let messages: Vec<NewMessage> = (0..5000)
+        .map(|i| NewMessage::from_value(json!({"role": "user", "content": i}), "m").unwrap())
+        .collect();
+    app.store
+        .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
+        .await
+        .unwrap();
+    app.append("other", json!([{"role": "user"}])).await;
+    let reply = app.delete("/v1/users/long").await;
+    assert_eq!(reply.body, json!({"deleted": 5000}));
+    assert_eq!(
+        app.get("/v1/users/long").await.status,
+        StatusCode::NOT_FOUND
+    );
+    let after = app.append("long", json!([{"role": "user"}])).await;
+    assert_eq!(after["messages"][0]["seq"], 5001, "seq is never reused");
+    assert_eq!(app.get("/v1/users/other").await.body["message_count"], 1);
+    app.store
+        .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
+        .await
+        .unwrap();
+    let cleared = app
+        .post_json("/v1/admin/clear-all", &json!({"confirm": true}))
+        .await;
+    assert_eq!(cleared.body, json!({"deleted": 5000 + 1 + 1}));
+}
+
+async fn retention_runs_on_a_pool_of_one_connection(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = chat_history::store::connect(
+        &chat_history::store::DatabaseUrl::new(&db.url),
+        ConnectOptions {
+            max_connections: 1,
+            acquire_timeout: Duration::from_secs(2),
+        },
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+    let old = [NewMessage::from_value(json!({"role": "user"}), "m").unwrap()];
+    store
+        .append_messages(
+            &tenant,
+            &user,
+            &old,
+            Timestamp::now().minus_seconds(7200),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    let report = store
+        .retention_pass(Some(Duration::from_secs(3600)), Duration::from_secs(86_400))
+        .await
+        .expect("retention needs no second connection")
+        .expect("no other replica runs it");
+    assert_eq!(report.messages, 1);
+}
+
+async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = chat_history::store::connect(
+        &chat_history::store::DatabaseUrl::new(&db.url),
+        ConnectOptions {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(2),
+        },
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+    let messages: Vec<NewMessage> = (0..100)
+        .map(|i| NewMessage::from_value(json!({"role": "user", "content": i}), "m").unwrap())
+        .collect();
+    store
+        .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
+        .await
+        .unwrap();
+    let deadline = Duration::from_secs(60);
+    // A reader that takes nothing: its stream waits, holding its connection.
+    let stalled = store
+        .transcript_stream(&tenant, &user, deadline)
+        .await
+        .unwrap();
+    let refused = store.transcript_stream(&tenant, &user, deadline).await;
+    assert!(
+        matches!(refused, Err(chat_history::store::StoreError::Busy(_))),
+        "a second stream on a pool of two must be refused"
+    );
+    // The rest of the pool still serves everything else.
+    assert_eq!(
+        store
+            .user_stats(&tenant, &user)
+            .await
+            .unwrap()
+            .unwrap()
+            .message_count,
+        100
+    );
+    drop(stalled);
+    let started = Instant::now();
+    let mut reader = loop {
+        match store.transcript_stream(&tenant, &user, deadline).await {
+            Ok(reader) => break reader,
+            Err(_) if started.elapsed() < Duration::from_secs(5) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the slot of a reader that went away is never freed: {e}"),
+        }
+    };
+    let mut read = 0;
+    while let Some(row) = reader.messages.recv().await {
+        row.unwrap();
+        read += 1;
+    }
+    assert_eq!(read, 100);
+}
