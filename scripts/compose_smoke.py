@@ -25,7 +25,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compose_environment():
+def compose_config():
     config = subprocess.run(
         ["docker-compose", "-f", os.path.join(ROOT, "docker-compose.yml"), "config"],
         check=True,
@@ -33,8 +33,21 @@ def compose_environment():
         text=True,
         env={k: v for k, v in os.environ.items() if not k.startswith("CHAT_HISTORY_")},
     ).stdout
-    environment = yaml.safe_load(config)["services"]["chat-history"]["environment"]
-    return {name: str(value) for name, value in environment.items()}
+    return yaml.safe_load(config)["services"]["chat-history"]
+
+
+def seconds(duration):
+    """`40s`, `1m30s` or a number of seconds, as compose writes them."""
+    if isinstance(duration, (int, float)):
+        return float(duration)
+    total, number = 0.0, ""
+    for char in str(duration):
+        if char.isdigit() or char == ".":
+            number += char
+        else:
+            total += float(number) * {"h": 3600, "m": 60, "s": 1}[char]
+            number = ""
+    return total + (float(number) if number else 0.0)
 
 
 def local_database(url):
@@ -81,7 +94,12 @@ def expect(condition, what):
 
 def main():
     binary = sys.argv[1]
-    environment = compose_environment()
+    service_config = compose_config()
+    environment = {name: str(value) for name, value in service_config["environment"].items()}
+    grace = seconds(service_config.get("stop_grace_period", "10s"))
+    timeout = seconds(environment.get("CHAT_HISTORY_REQUEST_TIMEOUT", "30s"))
+    expect(grace > timeout,
+           f"stop_grace_period ({grace:.0f} s) is longer than the request timeout ({timeout:.0f} s)")
     print("environment from docker-compose.yml:", ", ".join(sorted(environment)))
     environment["DATABASE_URL"] = local_database(environment["DATABASE_URL"])
     port = free_port()
