@@ -52,7 +52,7 @@ async fn at_the_store(store: &dyn Store, rounds: usize) {
         // As a transcript store keeps it: written by the previous save.
         let user = UserId::parse(format!("save-{round}")).unwrap();
         store
-            .save_transcript(&tenant, &user, &transcript, None, now, None)
+            .save_transcript(&tenant, &user, &transcript, None, now, None, usize::MAX)
             .await
             .unwrap();
         // Written by appends: the save must compare the stored messages.
@@ -65,7 +65,15 @@ async fn at_the_store(store: &dyn Store, rounds: usize) {
         move |round: usize| async move {
             let user = UserId::parse(format!("{prefix}-{round}")).unwrap();
             store
-                .save_transcript(tenant, &user, saved, None, Timestamp::now(), None)
+                .save_transcript(
+                    tenant,
+                    &user,
+                    saved,
+                    None,
+                    Timestamp::now(),
+                    None,
+                    usize::MAX,
+                )
                 .await
                 .unwrap();
         }

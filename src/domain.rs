@@ -593,6 +593,11 @@ pub enum SaveOutcome {
     PreconditionFailed {
         current_version: i64,
     },
+    /// The save would delete more stored messages than one save may (at
+    /// least this many); nothing changed.
+    WouldRemove {
+        at_least: u64,
+    },
 }
 
 #[cfg(test)]

@@ -157,7 +157,7 @@ fn transcript_body(user: &UserId, stream: TranscriptStream) -> Body {
         (status = 400, description = "Malformed JSON or a bad `user_id`", body = Problem, content_type = "application/problem+json"),
         (status = 412, description = "`If-Match` names a version that is not current; nothing changed", body = Problem, content_type = "application/problem+json",
             headers(("ETag" = String, description = "The current version, quoted"))),
-        (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string, more messages than `max_transcript_messages`", body = Problem, content_type = "application/problem+json"),
+        (status = 422, description = "Valid JSON that breaks a rule: no `role`, NUL in a string, more messages than `max_transcript_messages`, or a save that would delete more stored messages than that", body = Problem, content_type = "application/problem+json"),
     )
 )]
 pub async fn put_transcript(
@@ -190,6 +190,7 @@ pub async fn put_transcript(
             if_match.as_ref(),
             Timestamp::now(),
             state.limits.max_messages_per_user,
+            max,
         )
         .await?;
     match outcome {
@@ -207,6 +208,11 @@ pub async fn put_transcript(
             )
                 .into_response())
         }
+        SaveOutcome::WouldRemove { at_least } => Err(ApiError::Unprocessable(format!(
+            "this save would delete at least {at_least} stored messages; one save deletes at most {max} \
+             (CHAT_HISTORY_MAX_TRANSCRIPT_MESSAGES): clear the history first \
+             (DELETE /v1/users/{{user_id}}, which works in batches), then save"
+        ))),
         SaveOutcome::PreconditionFailed { current_version } => {
             let mut response = Problem::new(
                 StatusCode::PRECONDITION_FAILED,

@@ -167,7 +167,11 @@ pub trait Store: Send + Sync + 'static {
     }
 
     /// Replaces the transcript atomically, keeping the longest common prefix
-    /// untouched (same `seq`, same `created_at`, rows not rewritten).
+    /// untouched (same `seq`, same `created_at`, rows not rewritten). One
+    /// save deletes at most `max_removed` stored messages, so that its one
+    /// transaction stays short; past that it is `WouldRemove` and changes
+    /// nothing.
+    #[allow(clippy::too_many_arguments)]
     async fn save_transcript(
         &self,
         tenant: &Tenant,
@@ -176,6 +180,7 @@ pub trait Store: Send + Sync + 'static {
         if_match: Option<&IfMatch>,
         now: Timestamp,
         cap: Option<u64>,
+        max_removed: usize,
     ) -> Result<SaveOutcome, StoreError>;
 
     /// Deletes the tenant's messages older than `max_age` by the database's
@@ -476,6 +481,15 @@ fn digest(bytes: &[u8]) -> Result<[u8; 16], StoreError> {
     bytes
         .try_into()
         .map_err(|_| StoreError::Corrupt(format!("a digest of {} bytes", bytes.len())))
+}
+
+/// `WouldRemove` when keeping `kept` of `stored` messages deletes more than
+/// `max_removed`.
+fn removes_too_many(stored: usize, kept: usize, max_removed: usize) -> Option<SaveOutcome> {
+    let removed = stored.saturating_sub(kept);
+    (removed > max_removed).then(|| SaveOutcome::WouldRemove {
+        at_least: u64::try_from(removed).unwrap_or(u64::MAX),
+    })
 }
 
 /// The `Saved` answer once the common prefix `kept` of `stored` messages

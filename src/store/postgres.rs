@@ -15,10 +15,10 @@ use sqlx::{Connection, PgConnection, Row};
 use tokio::sync::Semaphore;
 
 use super::{
-    appended, assemble_page, db_count, latest_version, row_count, saved, stream_slots,
-    stream_transcript, take_stream_slot, users_page, ConnectOptions, DatabaseUrl, PoolStatus,
-    RetentionReport, SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH,
-    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    appended, assemble_page, db_count, latest_version, removes_too_many, row_count, saved,
+    stream_slots, stream_transcript, take_stream_slot, users_page, ConnectOptions, DatabaseUrl,
+    PoolStatus, RetentionReport, SeenKey, Store, StoreError, TranscriptStream,
+    CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -603,6 +603,7 @@ impl Store for PostgresStore {
         if_match: Option<&IfMatch>,
         now: Timestamp,
         cap: Option<u64>,
+        max_removed: usize,
     ) -> Result<SaveOutcome, StoreError> {
         if cap.is_none_or(|cap| messages.len() as u64 <= cap) {
             if let Some(outcome) = self
@@ -649,6 +650,10 @@ impl Store for PostgresStore {
                 .await?
         };
         let kept = difference.map_or(stored, |(pos, _)| row_count(pos) - 1);
+        if let Some(refused) = removes_too_many(stored, kept, max_removed) {
+            tx.rollback().await?;
+            return Ok(refused);
+        }
         let new = &messages[kept..];
         if kept == stored && new.is_empty() {
             tx.rollback().await?;

@@ -21,10 +21,10 @@ use sqlx::{Sqlite, Transaction};
 use tokio::sync::Semaphore;
 
 use super::{
-    appended, assemble_page, db_count, latest_version, row_count, saved, stream_slots,
-    stream_transcript, take_stream_slot, users_page, ConnectOptions, PoolStatus, RetentionReport,
-    SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
-    PURGE_USERS_PER_BATCH, TENANTS,
+    appended, assemble_page, db_count, latest_version, removes_too_many, row_count, saved,
+    stream_slots, stream_transcript, take_stream_slot, users_page, ConnectOptions, PoolStatus,
+    RetentionReport, SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH,
+    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -527,6 +527,7 @@ impl Store for SqliteStore {
         if_match: Option<&IfMatch>,
         now: Timestamp,
         cap: Option<u64>,
+        max_removed: usize,
     ) -> Result<SaveOutcome, StoreError> {
         let mut tx = self.write().await?;
         let counters = sqlx::query(LOCK_USER)
@@ -545,6 +546,11 @@ impl Store for SqliteStore {
             }
         }
         let stored = row_count(counters.try_get("message_count")?);
+        // At most `messages.len()` can be kept: refuse before comparing.
+        if let Some(refused) = removes_too_many(stored, messages.len(), max_removed) {
+            tx.rollback().await?;
+            return Ok(refused);
+        }
         let known: Option<Vec<u8>> = counters.try_get("transcript_digest")?;
         let extends = extends_saved(known.as_deref(), stored, messages);
         let difference: Option<(i64, i64)> = if extends {
@@ -561,6 +567,10 @@ impl Store for SqliteStore {
                 .await?
         };
         let kept = difference.map_or(stored, |(pos, _)| row_count(pos) - 1);
+        if let Some(refused) = removes_too_many(stored, kept, max_removed) {
+            tx.rollback().await?;
+            return Ok(refused);
+        }
         if kept == stored && kept == messages.len() {
             tx.rollback().await?;
             return Ok(saved(version, stored, messages.len(), kept, 0));
