@@ -117,13 +117,9 @@ fn transcript_body(user: &UserId, stream: TranscriptStream) -> Body {
             if chunk.len() >= TRANSCRIPT_CHUNK_BYTES {
                 return Some((Ok(Bytes::from(chunk)), Some(writer)));
             }
-            next = match writer.rows.try_recv() {
-                Ok(row) => Some(row),
-                Err(mpsc::error::TryRecvError::Empty) => {
-                    return Some((Ok(Bytes::from(chunk)), Some(writer)));
-                }
-                Err(mpsc::error::TryRecvError::Disconnected) => None,
-            };
+            // Wait for a full chunk rather than send the few rows read ahead:
+            // one small write per handful of rows costs more than the rows.
+            next = writer.rows.recv().await;
         }
     });
     Body::from_stream(chunks)

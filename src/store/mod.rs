@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
 
 use crate::domain::{
     AppendOutcome, Appended, HistoryPage, HistoryQuery, Idempotency, IfMatch, NewMessage,
@@ -137,8 +138,10 @@ pub trait Store: Send + Sync + 'static {
     /// The whole transcript from one read snapshot: its version and message
     /// count, then its messages in order, sent by a task of the store's own
     /// as they are read, so a reader holds a few rows at a time whatever the
-    /// transcript's size. The task gives up after `deadline`. A user never
-    /// written has version 0 and no messages.
+    /// transcript's size. Waiting for a stream slot (see `StreamSlots`) and
+    /// reading the rows both fit in `deadline`: a read that cannot start in
+    /// time is `Busy`, one that cannot finish ends with `TimedOut`. A user
+    /// never written has version 0 and no messages.
     async fn transcript_stream(
         &self,
         tenant: &Tenant,
@@ -345,19 +348,27 @@ pub struct TranscriptStream {
 
 /// Transcript reads streaming at once, at most: half the pool (at least
 /// one), so that slow readers, each holding a connection while they read,
-/// can never hold every connection.
-fn stream_slots(max_connections: u32) -> Arc<Semaphore> {
-    let max_connections = usize::try_from(max_connections).unwrap_or(usize::MAX);
-    Arc::new(Semaphore::new((max_connections / 2).max(1)))
-}
+/// can never hold every connection. A read over that waits for a slot
+/// within its deadline (readers queue no longer than a request may last,
+/// and no more of them than requests may be in flight), then gets 503.
+pub(crate) struct StreamSlots(Arc<Semaphore>);
 
-fn take_stream_slot(slots: &Arc<Semaphore>) -> Result<OwnedSemaphorePermit, StoreError> {
-    slots.clone().try_acquire_owned().map_err(|_| {
-        StoreError::Busy(
-            "as many transcripts are being read as this server streams at once (half of \
-             CHAT_HISTORY_DB_MAX_CONNECTIONS); retry after the delay in Retry-After",
-        )
-    })
+impl StreamSlots {
+    pub(crate) fn new(max_connections: u32) -> Self {
+        let max_connections = usize::try_from(max_connections).unwrap_or(usize::MAX);
+        Self(Arc::new(Semaphore::new((max_connections / 2).max(1))))
+    }
+
+    pub(crate) async fn take(&self, until: Instant) -> Result<OwnedSemaphorePermit, StoreError> {
+        match tokio::time::timeout_at(until, self.0.clone().acquire_owned()).await {
+            Ok(Ok(slot)) => Ok(slot),
+            _ => Err(StoreError::Busy(
+                "as many transcripts are being read as this server streams at once (half of \
+                 CHAT_HISTORY_DB_MAX_CONNECTIONS), and none finished in time; retry after the \
+                 delay in Retry-After",
+            )),
+        }
+    }
 }
 
 /// Rows of a transcript read ahead of a slow reader, at most.
@@ -377,11 +388,11 @@ impl TranscriptStream {
 }
 
 /// Sends `rows` on to the reader until they end, the reader goes away, or
-/// `deadline` passes (then the reader gets `TimedOut` as its last row).
+/// `until` passes (then the reader gets `TimedOut` as its last row).
 async fn forward_rows(
     rows: impl futures_util::Stream<Item = Result<String, sqlx::Error>>,
     sender: mpsc::Sender<Result<String, StoreError>>,
-    deadline: Duration,
+    until: Instant,
 ) {
     use futures_util::StreamExt;
     let forward = async {
@@ -393,7 +404,7 @@ async fn forward_rows(
             }
         }
     };
-    if tokio::time::timeout(deadline, forward).await.is_err() {
+    if tokio::time::timeout_at(until, forward).await.is_err() {
         let _ = sender.try_send(Err(StoreError::TimedOut));
     }
 }
@@ -401,13 +412,13 @@ async fn forward_rows(
 /// The transcript of `user` from the snapshot of `tx`, a read transaction
 /// that sees one snapshot throughout (each backend opens it its own way):
 /// the version and count now, the rows sent on by a task that holds `slot`
-/// and `tx` until the reader has them all, goes away, or `deadline` passes.
+/// and `tx` until the reader has them all, goes away, or `until` passes.
 async fn stream_transcript<DB>(
     mut tx: sqlx::Transaction<'static, DB>,
     slot: OwnedSemaphorePermit,
     tenant: &Tenant,
     user: &UserId,
-    deadline: Duration,
+    until: Instant,
 ) -> Result<TranscriptStream, StoreError>
 where
     DB: sqlx::Database,
@@ -433,7 +444,7 @@ where
                 .bind(tenant)
                 .bind(user)
                 .fetch(&mut *tx);
-            forward_rows(rows, sender, deadline).await;
+            forward_rows(rows, sender, until).await;
         });
     }
     Ok(stream)

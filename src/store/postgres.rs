@@ -3,7 +3,6 @@
 //! every other write to a user takes that lock as its first statement.
 
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,13 +11,12 @@ use secrecy::ExposeSecret;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, PgConnection, Row};
-use tokio::sync::Semaphore;
 
 use super::{
     appended, assemble_page, db_count, latest_version, removes_too_many, row_count, saved,
-    stream_slots, stream_transcript, take_stream_slot, users_page, ConnectOptions, DatabaseUrl,
-    PoolStatus, RetentionReport, SeenKey, Store, StoreError, TranscriptStream,
-    CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    stream_transcript, users_page, ConnectOptions, DatabaseUrl, PoolStatus, RetentionReport,
+    SeenKey, Store, StoreError, StreamSlots, TranscriptStream, CLEAR_USERS_PER_BATCH,
+    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -36,7 +34,7 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
 pub struct PostgresStore {
     pool: PgPool,
-    streams: Arc<Semaphore>,
+    streams: StreamSlots,
 }
 
 impl PostgresStore {
@@ -53,7 +51,7 @@ impl PostgresStore {
             .connect_lazy_with(connect);
         Ok(Self {
             pool,
-            streams: stream_slots(options.max_connections),
+            streams: StreamSlots::new(options.max_connections),
         })
     }
 
@@ -586,13 +584,15 @@ impl Store for PostgresStore {
         user: &UserId,
         deadline: Duration,
     ) -> Result<TranscriptStream, StoreError> {
-        let slot = take_stream_slot(&self.streams)?;
+        // The deadline covers the wait for a slot and the whole read.
+        let until = tokio::time::Instant::now() + deadline;
+        let slot = self.streams.take(until).await?;
         // One snapshot for the version and every row: REPEATABLE READ.
         let tx = self
             .pool
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await?;
-        stream_transcript(tx, slot, tenant, user, deadline).await
+        stream_transcript(tx, slot, tenant, user, until).await
     }
 
     async fn save_transcript(

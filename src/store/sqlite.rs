@@ -5,7 +5,6 @@
 //! an acknowledged append survives a power cut, not only a crash.
 
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -18,13 +17,12 @@ use sqlx::Row;
 use std::collections::BTreeMap;
 
 use sqlx::{Sqlite, Transaction};
-use tokio::sync::Semaphore;
 
 use super::{
     appended, assemble_page, db_count, latest_version, removes_too_many, row_count, saved,
-    stream_slots, stream_transcript, take_stream_slot, users_page, ConnectOptions, PoolStatus,
-    RetentionReport, SeenKey, Store, StoreError, TranscriptStream, CLEAR_USERS_PER_BATCH,
-    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    stream_transcript, users_page, ConnectOptions, PoolStatus, RetentionReport, SeenKey, Store,
+    StoreError, StreamSlots, TranscriptStream, CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH,
+    PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -48,7 +46,7 @@ const CLEAR_ROWS_PER_BATCH: i64 = 2000;
 pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
-    streams: Arc<Semaphore>,
+    streams: StreamSlots,
 }
 
 impl SqliteStore {
@@ -71,7 +69,7 @@ impl SqliteStore {
         Ok(Self {
             writer,
             reader,
-            streams: stream_slots(options.max_connections),
+            streams: StreamSlots::new(options.max_connections),
         })
     }
 
@@ -513,10 +511,12 @@ impl Store for SqliteStore {
         user: &UserId,
         deadline: Duration,
     ) -> Result<TranscriptStream, StoreError> {
-        let slot = take_stream_slot(&self.streams)?;
+        // The deadline covers the wait for a slot and the whole read.
+        let until = tokio::time::Instant::now() + deadline;
+        let slot = self.streams.take(until).await?;
         // A read transaction on a WAL reader sees one snapshot throughout.
         let tx = self.reader.begin().await?;
-        stream_transcript(tx, slot, tenant, user, deadline).await
+        stream_transcript(tx, slot, tenant, user, until).await
     }
 
     async fn save_transcript(
