@@ -408,9 +408,11 @@ UPDATE chat_users u SET oldest_at = (
 WHERE u.tenant = $1 AND u.user_id = ANY($2)
 "#;
 
+/// By key columns rather than `ctid`, which a distributed table (Citus)
+/// cannot route.
 const DELETE_OLD_KEYS: &str = r#"
-DELETE FROM chat_idempotency WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM chat_idempotency WHERE stored_at < $1 LIMIT $2))
+DELETE FROM chat_idempotency WHERE (tenant, user_id, key) IN (
+    SELECT tenant, user_id, key FROM chat_idempotency WHERE stored_at < $1 LIMIT $2)
 "#;
 
 /// Deletes the user's `$3` oldest messages and takes them off the count.

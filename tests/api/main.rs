@@ -8,6 +8,7 @@ mod hostile;
 mod http;
 mod lifecycle;
 mod operations;
+mod plans;
 mod replicas;
 mod shutdown;
 mod startup;
