@@ -1,7 +1,7 @@
 //! The retention task: every `cleanup_interval` it deletes messages older
 //! than `retention` and idempotency keys older than a day, in short
 //! transactions of bounded size, so appends and reads keep flowing while it
-//! runs. On Postgres an advisory lock lets one replica at a time run it.
+//! runs. On Postgres a lease row lets one replica at a time run it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -106,7 +106,9 @@ impl Default for Limits {
 #[derive(Clone, Args)]
 pub struct Config {
     /// Where messages live: `sqlite://PATH` (created on first start) or
-    /// `postgres://USER:PASSWORD@HOST:PORT/DB`.
+    /// `postgres://USER:PASSWORD@HOST:PORT/DB`, with libpq's `sslmode`,
+    /// `sslrootcert`, `sslcert`, `sslkey`, and `pool_mode=transaction` behind
+    /// PgBouncer in transaction mode.
     #[arg(
         long,
         env = "DATABASE_URL",

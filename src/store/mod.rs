@@ -27,7 +27,7 @@ use crate::domain::{
 
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
-pub use url::DatabaseUrl;
+pub use url::{DatabaseUrl, PoolMode};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -42,6 +42,9 @@ pub enum StoreError {
     NotMigrated { applied: Option<i64>, expected: i64 },
     #[error("unsupported DATABASE_URL {0:?}: use sqlite://PATH or postgres://USER@HOST/DB")]
     UnsupportedUrl(String),
+    /// A `DATABASE_URL` that names its backend but says something it cannot mean.
+    #[error("{0}")]
+    BadUrl(String),
     #[error("stored data could not be read back: {0}")]
     Corrupt(String),
     #[error("the transcript was not read within the request timeout")]
@@ -413,7 +416,9 @@ async fn forward_rows(
 /// that sees one snapshot throughout (each backend opens it its own way):
 /// the version and count now, the rows sent on by a task that holds `slot`
 /// and `tx` until the reader has them all, goes away, or `until` passes.
+/// Statements are named and cached when `prepared` (see `PostgresStore`).
 async fn stream_transcript<DB>(
+    prepared: bool,
     mut tx: sqlx::Transaction<'static, DB>,
     slot: OwnedSemaphorePermit,
     tenant: &Tenant,
@@ -421,7 +426,7 @@ async fn stream_transcript<DB>(
     until: Instant,
 ) -> Result<TranscriptStream, StoreError>
 where
-    DB: sqlx::Database,
+    DB: sqlx::Database + sqlx::database::HasStatementCache,
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
     for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
@@ -430,6 +435,7 @@ where
     usize: sqlx::ColumnIndex<DB::Row>,
 {
     let (version, count): (i64, i64) = sqlx::query_as(TRANSCRIPT_HEAD)
+        .persistent(prepared)
         .bind(tenant.as_str())
         .bind(user.as_str())
         .fetch_optional(&mut *tx)
@@ -441,6 +447,7 @@ where
         tokio::spawn(async move {
             let _slot = slot;
             let rows = sqlx::query_scalar(TRANSCRIPT_ROWS)
+                .persistent(prepared)
                 .bind(tenant)
                 .bind(user)
                 .fetch(&mut *tx);

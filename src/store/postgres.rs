@@ -1,6 +1,12 @@
 //! The production store. An append is one statement (a CTE that bumps the
 //! user's counters and inserts the batch), which locks the user's row first;
 //! every other write to a user takes that lock as its first statement.
+//!
+//! Behind a pooler in transaction mode (`?pool_mode=transaction`: PgBouncer
+//! and the like) a server connection is ours only until the transaction
+//! ends, so statements go unnamed (no prepared statement outlives its
+//! transaction) and each runs inside a transaction, and the retention lock
+//! is a lease row rather than a session lock.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -9,14 +15,16 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use secrecy::ExposeSecret;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Connection, PgConnection, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::query::{Query, QueryAs, QueryScalar};
+use sqlx::{Connection, FromRow, PgConnection, Postgres, Row, Transaction};
 
 use super::{
     appended, assemble_page, db_count, latest_version, removes_too_many, row_count, saved,
-    stream_transcript, users_page, ConnectOptions, DatabaseUrl, PoolStatus, RetentionReport,
-    SeenKey, Store, StoreError, StreamSlots, TranscriptStream, CLEAR_USERS_PER_BATCH,
-    KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
+    stream_transcript, users_page, ConnectOptions, DatabaseUrl, PoolMode, PoolStatus,
+    RetentionReport, SeenKey, Store, StoreError, StreamSlots, TranscriptStream,
+    CLEAR_USERS_PER_BATCH, KEYS_PER_BATCH, PURGE_USERS_PER_BATCH, TENANTS,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -27,24 +35,88 @@ use crate::domain::{
 /// Messages deleted per retention transaction, at most.
 const PURGE_ROWS_PER_BATCH: i64 = 1000;
 
-/// The advisory lock that lets one replica at a time run retention.
-const RETENTION_LOCK: i64 = 0x6368_6174_6869_7374; // "chathist"
+/// How long a retention lease lasts unless renewed; each batch renews it,
+/// and a replica that dies holding it delays the next run by at most this.
+const RETENTION_LEASE_SECONDS: i64 = 120;
+
+/// The lease that lets one replica at a time run retention.
+const RETENTION_LEASE: &str = "retention";
+
+/// Takes the lease `$1` for holder `$2` for `$3` seconds, by the database's
+/// clock: when nobody holds it, when it has expired, or to renew our own.
+const TAKE_LEASE: &str = r#"
+INSERT INTO chat_leases AS l (name, holder, expires_at)
+VALUES ($1, $2, now() + make_interval(secs => $3))
+ON CONFLICT (name) DO UPDATE SET holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at
+WHERE l.expires_at < now() OR l.holder = EXCLUDED.holder
+"#;
 
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
 pub struct PostgresStore {
     pool: PgPool,
     streams: StreamSlots,
+    /// Named, cached statements; false behind a pooler in transaction mode.
+    prepared: bool,
+    /// Who holds the retention lease when this process does.
+    holder: String,
+}
+
+/// A statement; unnamed unless `prepared` (see the module's doc).
+fn query(prepared: bool, sql: &str) -> Query<'_, Postgres, PgArguments> {
+    sqlx::query(sql).persistent(prepared)
+}
+
+fn query_scalar<O>(prepared: bool, sql: &str) -> QueryScalar<'_, Postgres, O, PgArguments>
+where
+    (O,): for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_scalar(sql).persistent(prepared)
+}
+
+fn query_as<O>(prepared: bool, sql: &str) -> QueryAs<'_, Postgres, O, PgArguments>
+where
+    O: for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_as(sql).persistent(prepared)
+}
+
+/// A connection for statements that need no transaction of their own: a
+/// plain pool connection, or behind a transaction-mode pooler a transaction,
+/// so that a statement's parse and execute reach the same server connection.
+enum Session {
+    Direct(PoolConnection<Postgres>),
+    Pinned(Transaction<'static, Postgres>),
+}
+
+impl Session {
+    fn conn(&mut self) -> &mut PgConnection {
+        match self {
+            Self::Direct(conn) => conn,
+            Self::Pinned(tx) => tx,
+        }
+    }
+
+    async fn done(self) -> Result<(), StoreError> {
+        if let Self::Pinned(tx) = self {
+            tx.commit().await?;
+        }
+        Ok(())
+    }
 }
 
 impl PostgresStore {
     pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<Self, StoreError> {
-        let (url, dropped) = url.for_postgres();
-        for parameter in dropped {
+        let parts = url.for_postgres().map_err(StoreError::BadUrl)?;
+        for parameter in parts.dropped {
             tracing::warn!("DATABASE_URL: ignoring the parameter {parameter:?}, which the Postgres driver does not know");
         }
-        let connect =
-            PgConnectOptions::from_str(url.expose_secret())?.application_name("chat-history");
+        let prepared = parts.pool_mode == PoolMode::Session;
+        let mut connect =
+            PgConnectOptions::from_str(parts.url.expose_secret())?.application_name("chat-history");
+        if !prepared {
+            connect = connect.statement_cache_capacity(0);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
@@ -52,7 +124,46 @@ impl PostgresStore {
         Ok(Self {
             pool,
             streams: StreamSlots::new(options.max_connections),
+            prepared,
+            holder: lease_holder(),
         })
+    }
+
+    async fn session(&self) -> Result<Session, StoreError> {
+        Ok(if self.prepared {
+            Session::Direct(self.pool.acquire().await?)
+        } else {
+            Session::Pinned(self.pool.begin().await?)
+        })
+    }
+
+    /// Takes or renews the retention lease for `RETENTION_LEASE_SECONDS`;
+    /// false while another replica holds it.
+    async fn take_lease(&self, conn: &mut PgConnection) -> Result<bool, StoreError> {
+        let mut tx = conn.begin().await?;
+        let taken = query(self.prepared, TAKE_LEASE)
+            .bind(RETENTION_LEASE)
+            .bind(&self.holder)
+            .bind(RETENTION_LEASE_SECONDS)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(taken == 1)
+    }
+
+    async fn release_lease(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        let mut tx = conn.begin().await?;
+        query(
+            self.prepared,
+            "DELETE FROM chat_leases WHERE name = $1 AND holder = $2",
+        )
+        .bind(RETENTION_LEASE)
+        .bind(&self.holder)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// The single-statement append (see `APPEND`).
@@ -64,7 +175,7 @@ impl PostgresStore {
         now: Timestamp,
     ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
         let (bodies, digests) = columns(messages);
-        sqlx::query(APPEND)
+        query(self.prepared, APPEND)
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(db_count(messages.len()))
@@ -84,15 +195,18 @@ impl PostgresStore {
         if_match: Option<&IfMatch>,
         now: Timestamp,
     ) -> Result<Option<SaveOutcome>, StoreError> {
-        let Some(row) = sqlx::query(
+        let mut session = self.session().await?;
+        let Some(row) = query(
+            self.prepared,
             "SELECT version, message_count, transcript_digest FROM chat_users
              WHERE tenant = $1 AND user_id = $2",
         )
         .bind(tenant.as_str())
         .bind(user.as_str())
-        .fetch_optional(&self.pool)
+        .fetch_optional(session.conn())
         .await?
         else {
+            session.done().await?;
             return Ok(None);
         };
         let version: i64 = row.try_get("version")?;
@@ -100,6 +214,7 @@ impl PostgresStore {
         let known: Option<Vec<u8>> = row.try_get("transcript_digest")?;
         let extends = extends_saved(known.as_deref(), stored, messages);
         let admitted = if_match.is_none_or(|c| c.admits(version, db_count(stored)));
+        session.done().await?;
         if !extends || !admitted {
             return Ok(None);
         }
@@ -107,8 +222,9 @@ impl PostgresStore {
         if new.is_empty() {
             return Ok(Some(saved(version, stored, messages.len(), stored, 0)));
         }
+        let mut session = self.session().await?;
         let (bodies, digests) = columns(new);
-        let version: Option<i64> = sqlx::query_scalar(EXTEND_IF_UNCHANGED)
+        let version: Option<i64> = query_scalar(self.prepared, EXTEND_IF_UNCHANGED)
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(db_count(new.len()))
@@ -117,8 +233,9 @@ impl PostgresStore {
             .bind(digests)
             .bind(&transcript_digest(messages)[..])
             .bind(version)
-            .fetch_optional(&self.pool)
+            .fetch_optional(session.conn())
             .await?;
+        session.done().await?;
         Ok(version.map(|version| saved(version, stored, messages.len(), stored, 0)))
     }
 }
@@ -153,6 +270,7 @@ fn append_result(
 /// Deletes the user's `excess` oldest messages (if any) inside `tx`, whose
 /// first statement locked the user, and says how many went.
 async fn evict_oldest(
+    prepared: bool,
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     tenant: &Tenant,
     user: &UserId,
@@ -161,7 +279,7 @@ async fn evict_oldest(
     if excess <= 0 {
         return Ok(0);
     }
-    sqlx::query(EVICT_OLDEST)
+    query(prepared, EVICT_OLDEST)
         .bind(tenant.as_str())
         .bind(user.as_str())
         .bind(excess)
@@ -171,24 +289,33 @@ async fn evict_oldest(
 }
 
 /// The database's clock: cutoffs are taken from it, never from a replica's.
-async fn database_now(conn: &mut PgConnection) -> Result<Timestamp, StoreError> {
-    let micros: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000000)::bigint")
-        .fetch_one(&mut *conn)
-        .await?;
+async fn database_now(prepared: bool, conn: &mut PgConnection) -> Result<Timestamp, StoreError> {
+    let mut tx = conn.begin().await?;
+    let micros: i64 = query_scalar(
+        prepared,
+        "SELECT (extract(epoch FROM now()) * 1000000)::bigint",
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
     Ok(Timestamp::from_micros(micros))
 }
 
 /// Deletes the tenant's messages created before `cutoff`, a bounded batch
-/// of users and rows per transaction, on `conn`.
+/// of users and rows per transaction, on `conn`. A `leased` purge (the
+/// retention run's) renews the lease after each batch and stops if it is lost.
 async fn purge_on(
+    store: &PostgresStore,
     conn: &mut PgConnection,
     tenant: &Tenant,
     cutoff: Timestamp,
+    leased: bool,
 ) -> Result<u64, StoreError> {
+    let prepared = store.prepared;
     let mut total = 0;
     loop {
         let mut tx = conn.begin().await?;
-        let users: Vec<String> = sqlx::query_scalar(LOCK_EXPIRED_USERS)
+        let users: Vec<String> = query_scalar(prepared, LOCK_EXPIRED_USERS)
             .bind(tenant.as_str())
             .bind(cutoff.to_datetime())
             .bind(PURGE_USERS_PER_BATCH)
@@ -198,51 +325,75 @@ async fn purge_on(
             tx.commit().await?;
             return Ok(total);
         }
-        let deleted: i64 = sqlx::query_scalar(DELETE_EXPIRED)
+        let deleted: i64 = query_scalar(prepared, DELETE_EXPIRED)
             .bind(tenant.as_str())
             .bind(&users)
             .bind(cutoff.to_datetime())
             .bind(PURGE_ROWS_PER_BATCH)
             .fetch_one(&mut *tx)
             .await?;
-        sqlx::query(REFRESH_OLDEST)
+        query(prepared, REFRESH_OLDEST)
             .bind(tenant.as_str())
             .bind(&users)
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
         total += u64::try_from(deleted).unwrap_or(0);
+        if leased && !store.take_lease(conn).await? {
+            return Ok(total);
+        }
     }
 }
 
-/// One retention run on `conn`, which holds the advisory lock.
+/// One retention run on `conn` by `store`, which holds the retention lease
+/// and renews it after every batch; a lease lost (the run took longer than
+/// the lease without a batch ending) ends the run early.
 async fn retention_work(
+    store: &PostgresStore,
     conn: &mut PgConnection,
     retention: Option<Duration>,
     keys_ttl: Duration,
 ) -> Result<RetentionReport, StoreError> {
-    let now = database_now(conn).await?;
+    let prepared = store.prepared;
+    let now = database_now(prepared, conn).await?;
     let mut report = RetentionReport::default();
     if let Some(retention) = retention {
         let cutoff = now.minus_seconds(retention.as_secs());
-        let tenants: Vec<String> = sqlx::query_scalar(TENANTS).fetch_all(&mut *conn).await?;
+        let mut tx = conn.begin().await?;
+        let tenants: Vec<String> = query_scalar(prepared, TENANTS).fetch_all(&mut *tx).await?;
+        tx.commit().await?;
         for tenant in tenants {
-            report.messages += purge_on(conn, &Tenant::new(tenant), cutoff).await?;
+            report.messages += purge_on(store, conn, &Tenant::new(tenant), cutoff, true).await?;
         }
     }
     let keys_cutoff = now.minus_seconds(keys_ttl.as_secs());
     loop {
-        let deleted = sqlx::query(DELETE_OLD_KEYS)
+        let mut tx = conn.begin().await?;
+        let deleted = query(prepared, DELETE_OLD_KEYS)
             .bind(keys_cutoff.to_datetime())
             .bind(KEYS_PER_BATCH)
-            .execute(&mut *conn)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
+        tx.commit().await?;
         report.idempotency_keys += deleted;
-        if deleted == 0 {
+        if deleted == 0 || !store.take_lease(conn).await? {
             return Ok(report);
         }
     }
+}
+
+/// Names this process (and store) as a lease holder, uniquely enough that
+/// two replicas, or two stores in one process, never share a name.
+fn lease_holder() -> String {
+    static STORES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    format!(
+        "{host}/{}/{}/{}",
+        std::process::id(),
+        STORES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        Timestamp::now().to_datetime().timestamp_micros()
+    )
 }
 
 fn at(time: DateTime<Utc>) -> Timestamp {
@@ -476,20 +627,40 @@ ORDER BY u.user_id LIMIT $3
 #[async_trait]
 impl Store for PostgresStore {
     async fn migrate(&self) -> Result<(), StoreError> {
-        MIGRATOR.run(&self.pool).await?;
+        if self.prepared {
+            MIGRATOR.run(&self.pool).await?;
+            return Ok(());
+        }
+        // Behind a transaction-mode pooler: the migrator's session lock and
+        // named statements must not outlive our hold on the server
+        // connection, so it runs inside one transaction, which drops every
+        // prepared statement before it commits.
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin().await?;
+        MIGRATOR.run_direct(&mut *tx).await?;
+        query(false, "DEALLOCATE ALL").execute(&mut *tx).await?;
+        tx.commit().await?;
+        conn.close().await?;
         Ok(())
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        let applied: Option<i64> =
-            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                .fetch_one(&self.pool)
-                .await
-                .or_else(|e| match e {
-                    // No migrations table yet: reachable, but not migrated.
-                    sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
-                    other => Err(other),
-                })?;
+        let mut session = self.session().await?;
+        let applied: Option<i64> = query_scalar(
+            self.prepared,
+            "SELECT max(version) FROM _sqlx_migrations WHERE success",
+        )
+        .fetch_one(session.conn())
+        .await
+        .or_else(|e| match e {
+            // No migrations table yet: reachable, but not migrated.
+            sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
+            other => Err(other),
+        })?;
+        // A failed statement has aborted a pinned transaction: nothing to commit.
+        if applied.is_some() {
+            session.done().await?;
+        }
         let expected = latest_version(&MIGRATOR);
         if applied.is_some_and(|v| v >= expected) {
             Ok(())
@@ -509,23 +680,26 @@ impl Store for PostgresStore {
     ) -> Result<AppendOutcome, StoreError> {
         if cap.is_none() && idempotency.is_none() {
             // The common case: one statement, one round trip.
+            let mut session = self.session().await?;
             let row = self
                 .append_query(tenant, user, messages, now)
-                .fetch_one(&self.pool)
+                .fetch_one(session.conn())
                 .await?;
+            session.done().await?;
             return Ok(AppendOutcome::Stored(append_result(messages, &row)?));
         }
         let mut tx = self.pool.begin().await?;
         if let Some(key) = idempotency {
             // Lock the user first: a concurrent request with the same key
             // waits here, then finds the record this one leaves.
-            sqlx::query(LOCK_USER)
+            query(self.prepared, LOCK_USER)
                 .bind(tenant.as_str())
                 .bind(user.as_str())
                 .bind(now.to_datetime())
                 .execute(&mut *tx)
                 .await?;
-            let seen = sqlx::query(
+            let seen = query(
+                self.prepared,
                 "SELECT request_digest, first_seq, created_at, version FROM chat_idempotency
                  WHERE tenant = $1 AND user_id = $2 AND key = $3",
             )
@@ -551,6 +725,7 @@ impl Store for PostgresStore {
             .await?;
         if let Some(cap) = cap {
             evict_oldest(
+                self.prepared,
                 &mut tx,
                 tenant,
                 user,
@@ -560,7 +735,7 @@ impl Store for PostgresStore {
         }
         let result = append_result(messages, &row)?;
         if let Some(key) = idempotency {
-            sqlx::query(
+            query(self.prepared,
                 "INSERT INTO chat_idempotency
                     (tenant, user_id, key, request_digest, first_seq, created_at, version, stored_at)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -594,7 +769,7 @@ impl Store for PostgresStore {
             .pool
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await?;
-        stream_transcript(tx, slot, tenant, user, until).await
+        stream_transcript(self.prepared, tx, slot, tenant, user, until).await
     }
 
     async fn save_transcript(
@@ -617,7 +792,7 @@ impl Store for PostgresStore {
         }
         let incoming = concatenated_digests(messages);
         let mut tx = self.pool.begin().await?;
-        let row = sqlx::query(LOCK_AND_COMPARE)
+        let row = query(self.prepared, LOCK_AND_COMPARE)
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(&incoming)
@@ -643,7 +818,7 @@ impl Store for PostgresStore {
         } else {
             // Another write committed while this one waited for the lock:
             // compare again, now that the lock is held.
-            sqlx::query_as(FIRST_DIFFERENCE)
+            query_as(self.prepared, FIRST_DIFFERENCE)
                 .bind(tenant.as_str())
                 .bind(user.as_str())
                 .bind(&incoming)
@@ -663,7 +838,7 @@ impl Store for PostgresStore {
         }
         let (bodies, digests) = columns(new);
         let created_at = now.max(at(row.try_get("last_created_at")?));
-        let version: i64 = sqlx::query_scalar(REPLACE_SUFFIX)
+        let version: i64 = query_scalar(self.prepared, REPLACE_SUFFIX)
             .bind(tenant.as_str())
             .bind(user.as_str())
             .bind(difference.map_or(i64::MAX, |(_, seq)| seq))
@@ -680,6 +855,7 @@ impl Store for PostgresStore {
         let evicted = match cap {
             Some(cap) => {
                 evict_oldest(
+                    self.prepared,
                     &mut tx,
                     tenant,
                     user,
@@ -695,17 +871,18 @@ impl Store for PostgresStore {
 
     async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError> {
         let mut conn = self.pool.acquire().await?;
-        let cutoff = database_now(&mut conn)
+        let cutoff = database_now(self.prepared, &mut conn)
             .await?
             .minus_seconds(max_age.as_secs());
-        purge_on(&mut conn, tenant, cutoff).await
+        purge_on(self, &mut conn, tenant, cutoff, false).await
     }
 
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
         let mut total = 0;
         loop {
             let mut tx = self.pool.begin().await?;
-            let users: Vec<String> = sqlx::query_scalar(
+            let users: Vec<String> = query_scalar(
+                self.prepared,
                 "SELECT user_id FROM chat_users WHERE tenant = $1 AND message_count > 0
                  ORDER BY user_id LIMIT $2 FOR UPDATE",
             )
@@ -717,14 +894,17 @@ impl Store for PostgresStore {
                 tx.commit().await?;
                 return Ok(total);
             }
-            total +=
-                sqlx::query("DELETE FROM chat_messages WHERE tenant = $1 AND user_id = ANY($2)")
-                    .bind(tenant.as_str())
-                    .bind(&users)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-            sqlx::query(
+            total += query(
+                self.prepared,
+                "DELETE FROM chat_messages WHERE tenant = $1 AND user_id = ANY($2)",
+            )
+            .bind(tenant.as_str())
+            .bind(&users)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+            query(
+                self.prepared,
                 "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
                      transcript_digest = NULL
                  WHERE tenant = $1 AND user_id = ANY($2)",
@@ -742,28 +922,18 @@ impl Store for PostgresStore {
         retention: Option<Duration>,
         keys_ttl: Duration,
     ) -> Result<Option<RetentionReport>, StoreError> {
-        // A session-level advisory lock, held on one connection for the
-        // whole run, which also does the work: the run needs one connection
-        // of the pool, however small. The lock dies with the session if this
-        // process does.
+        // One connection does the whole run, so it works on a pool of one.
+        // The lock is a lease row, not a session lock: it must hold behind a
+        // pooler in transaction mode too, where no session is ours for long.
         let mut conn = self.pool.acquire().await?;
-        let acquired: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-            .bind(RETENTION_LOCK)
-            .fetch_one(&mut *conn)
-            .await?;
-        if !acquired {
+        if !self.take_lease(&mut conn).await? {
             return Ok(None);
         }
-        let report = retention_work(&mut conn, retention, keys_ttl).await;
-        let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(RETENTION_LOCK)
-            .execute(&mut *conn)
-            .await;
-        if unlocked.is_err() {
-            // Never hand a connection that may still hold the lock back to the pool.
-            let _ = conn.close().await;
-        }
-        report.map(Some)
+        let report = retention_work(self, &mut conn, retention, keys_ttl).await;
+        let released = self.release_lease(&mut conn).await;
+        let report = report?;
+        released?;
+        Ok(Some(report))
     }
 
     async fn history_window(
@@ -774,29 +944,33 @@ impl Store for PostgresStore {
     ) -> Result<HistoryPage, StoreError> {
         let fetch = i64::from(query.limit) + 1;
         let before = query.before.unwrap_or(i64::MAX);
+        let mut session = self.session().await?;
         let rows = match query.after {
             None => {
                 sqlx::query(PAGE_BACK)
+                    .persistent(self.prepared)
                     .bind(tenant.as_str())
                     .bind(user.as_str())
                     .bind(before)
                     .bind(fetch)
-                    .fetch_all(&self.pool)
+                    .fetch_all(session.conn())
                     .await?
             }
             Some(after) => {
                 let not_before = query.not_before.unwrap_or(Timestamp::from_micros(0));
                 sqlx::query(PAGE_FORWARD)
+                    .persistent(self.prepared)
                     .bind(tenant.as_str())
                     .bind(user.as_str())
                     .bind(after)
                     .bind(before)
                     .bind(not_before.to_datetime())
                     .bind(fetch)
-                    .fetch_all(&self.pool)
+                    .fetch_all(session.conn())
                     .await?
             }
         };
+        session.done().await?;
         let rows = rows
             .into_iter()
             .map(|r| {
@@ -816,15 +990,18 @@ impl Store for PostgresStore {
         user: &UserId,
         seq: i64,
     ) -> Result<Option<StoredMessage>, StoreError> {
-        let row = sqlx::query(
+        let mut session = self.session().await?;
+        let row = query(
+            self.prepared,
             "SELECT created_at, message FROM chat_messages \
              WHERE tenant = $1 AND user_id = $2 AND seq = $3",
         )
         .bind(tenant.as_str())
         .bind(user.as_str())
         .bind(seq)
-        .fetch_optional(&self.pool)
+        .fetch_optional(session.conn())
         .await?;
+        session.done().await?;
         row.map(|r| {
             StoredMessage::new(seq, at(r.try_get("created_at")?), r.try_get("message")?)
                 .map_err(|e| StoreError::Corrupt(e.to_string()))
@@ -839,16 +1016,19 @@ impl Store for PostgresStore {
         seq: i64,
     ) -> Result<bool, StoreError> {
         let mut tx = self.pool.begin().await?;
-        let locked =
-            sqlx::query("SELECT 1 FROM chat_users WHERE tenant = $1 AND user_id = $2 FOR UPDATE")
-                .bind(tenant.as_str())
-                .bind(user.as_str())
-                .fetch_optional(&mut *tx)
-                .await?;
+        let locked = query(
+            self.prepared,
+            "SELECT 1 FROM chat_users WHERE tenant = $1 AND user_id = $2 FOR UPDATE",
+        )
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
         if locked.is_none() {
             return Ok(false);
         }
-        let deleted = sqlx::query(
+        let deleted = query(
+            self.prepared,
             "WITH gone AS (
                 DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq = $3
                 RETURNING 1)
@@ -871,11 +1051,13 @@ impl Store for PostgresStore {
         tenant: &Tenant,
         user: &UserId,
     ) -> Result<Option<UserStats>, StoreError> {
-        let row = sqlx::query(STATS)
+        let mut session = self.session().await?;
+        let row = query(self.prepared, STATS)
             .bind(tenant.as_str())
             .bind(user.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(session.conn())
             .await?;
+        session.done().await?;
         row.map(|r| {
             Ok(UserStats {
                 message_count: r.try_get("message_count")?,
@@ -891,7 +1073,8 @@ impl Store for PostgresStore {
 
     async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
         let mut tx = self.pool.begin().await?;
-        let had_messages = sqlx::query(
+        let had_messages = query(
+            self.prepared,
             "UPDATE chat_users SET version = version + 1, message_count = 0, oldest_at = NULL,
                      transcript_digest = NULL
              WHERE tenant = $1 AND user_id = $2 AND message_count > 0",
@@ -904,12 +1087,15 @@ impl Store for PostgresStore {
         if had_messages == 0 {
             return Ok(0);
         }
-        let deleted = sqlx::query("DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2")
-            .bind(tenant.as_str())
-            .bind(user.as_str())
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        let deleted = query(
+            self.prepared,
+            "DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2",
+        )
+        .bind(tenant.as_str())
+        .bind(user.as_str())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
         tx.commit().await?;
         Ok(deleted)
     }
@@ -920,12 +1106,14 @@ impl Store for PostgresStore {
         after: Option<&UserId>,
         limit: u32,
     ) -> Result<(Vec<UserSummary>, bool), StoreError> {
-        let rows = sqlx::query(LIST_USERS)
+        let mut session = self.session().await?;
+        let rows = query(self.prepared, LIST_USERS)
             .bind(tenant.as_str())
             .bind(after.map_or("", UserId::as_str))
             .bind(i64::from(limit) + 1)
-            .fetch_all(&self.pool)
+            .fetch_all(session.conn())
             .await?;
+        session.done().await?;
         let rows = rows
             .into_iter()
             .map(|r| {

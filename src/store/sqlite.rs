@@ -516,7 +516,7 @@ impl Store for SqliteStore {
         let slot = self.streams.take(until).await?;
         // A read transaction on a WAL reader sees one snapshot throughout.
         let tx = self.reader.begin().await?;
-        stream_transcript(tx, slot, tenant, user, until).await
+        stream_transcript(true, tx, slot, tenant, user, until).await
     }
 
     async fn save_transcript(

@@ -36,6 +36,28 @@ const POSTGRES_PARAMETERS: &[&str] = &[
     "options",
 ];
 
+/// How the server at the end of a Postgres URL hands out connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolMode {
+    /// Postgres itself, or a pooler that gives each client a server
+    /// connection for the whole session: prepared statements and session
+    /// locks work.
+    Session,
+    /// A pooler (PgBouncer, PgCat, Supavisor, …) that may hand each
+    /// transaction to another server connection: statements go unnamed and
+    /// inside transactions, and nothing outlives a transaction.
+    Transaction,
+}
+
+/// A Postgres `DATABASE_URL` taken apart for the driver.
+pub(super) struct PostgresUrl {
+    /// What sqlx gets: the URL without the parameters it does not know.
+    pub url: SecretString,
+    /// The names of the parameters dropped, for a warning.
+    pub dropped: Vec<String>,
+    pub pool_mode: PoolMode,
+}
+
 /// A `DATABASE_URL`.
 #[derive(Clone)]
 pub struct DatabaseUrl(SecretString);
@@ -61,28 +83,48 @@ impl DatabaseUrl {
 
     /// The URL for sqlx's Postgres driver, without the parameters it does
     /// not know, and the names of those (never their values) for a warning.
-    pub(super) fn for_postgres(&self) -> (SecretString, Vec<String>) {
+    /// `pool_mode` is ours: it says how a pooler between us and Postgres
+    /// hands out server connections (PgBouncer's name for it).
+    pub(super) fn for_postgres(&self) -> Result<PostgresUrl, String> {
         let Ok(mut url) = Url::parse(self.expose()) else {
-            return (self.0.clone(), Vec::new());
-        };
-        let (known, unknown): (Vec<_>, Vec<_>) = url
-            .query_pairs()
-            .map(|(k, v)| (k.into_owned(), v.into_owned()))
-            .partition(|(k, _)| {
-                POSTGRES_PARAMETERS.contains(&k.as_str()) || k.starts_with("options[")
+            return Ok(PostgresUrl {
+                url: self.0.clone(),
+                dropped: Vec::new(),
+                pool_mode: PoolMode::Session,
             });
-        if unknown.is_empty() {
-            return (self.0.clone(), Vec::new());
+        };
+        let mut pool_mode = PoolMode::Session;
+        let mut known = Vec::new();
+        let mut dropped = Vec::new();
+        for (k, v) in url.query_pairs() {
+            if k == "pool_mode" {
+                pool_mode = match &*v {
+                    "session" => PoolMode::Session,
+                    "transaction" => PoolMode::Transaction,
+                    other => {
+                        return Err(format!(
+                            "DATABASE_URL: pool_mode must be `session` (a direct connection, or a \
+                             pooler in session mode) or `transaction` (PgBouncer and the like in \
+                             transaction mode); got {other:?}"
+                        ))
+                    }
+                };
+            } else if POSTGRES_PARAMETERS.contains(&&*k) || k.starts_with("options[") {
+                known.push((k.into_owned(), v.into_owned()));
+            } else {
+                dropped.push(k.into_owned());
+            }
         }
         if known.is_empty() {
             url.set_query(None);
         } else {
             url.query_pairs_mut().clear().extend_pairs(known);
         }
-        (
-            SecretString::from(url.as_str()),
-            unknown.into_iter().map(|(k, _)| k).collect(),
-        )
+        Ok(PostgresUrl {
+            url: SecretString::from(url.as_str()),
+            dropped,
+            pool_mode,
+        })
     }
 
     /// The URL with every password replaced: in the user info, and in any
@@ -185,11 +227,32 @@ mod tests {
     #[test]
     fn unknown_parameters_are_named_not_passed_on() {
         let url = DatabaseUrl::new("postgres://app@db/chat?sslmode=require&sslpassword=s3cret");
-        let (cleaned, dropped) = url.for_postgres();
-        assert_eq!(dropped, ["sslpassword"]);
+        let parts = url.for_postgres().unwrap();
+        assert_eq!(parts.dropped, ["sslpassword"]);
         assert_eq!(
-            cleaned.expose_secret(),
+            parts.url.expose_secret(),
             "postgres://app@db/chat?sslmode=require"
+        );
+        assert_eq!(parts.pool_mode, PoolMode::Session);
+    }
+
+    #[test]
+    fn pool_mode_is_ours_and_not_passed_on() {
+        let url = DatabaseUrl::new(
+            "postgres://app@bouncer:6432/chat?pool_mode=transaction&sslmode=require",
+        );
+        let parts = url.for_postgres().unwrap();
+        assert_eq!(parts.pool_mode, PoolMode::Transaction);
+        assert!(parts.dropped.is_empty());
+        assert_eq!(
+            parts.url.expose_secret(),
+            "postgres://app@bouncer:6432/chat?sslmode=require"
+        );
+        let wrong = DatabaseUrl::new("postgres://app:s3cret@bouncer/chat?pool_mode=statement");
+        let error = wrong.for_postgres().err().unwrap();
+        assert!(
+            error.contains("pool_mode") && !error.contains("s3cret"),
+            "{error}"
         );
     }
 }

@@ -454,45 +454,47 @@ async fn appends_past_the_cap_evict_the_oldest(backend: Backend) {
     assert_eq!(stats.body["first_seq"], 4);
 }
 
-/// With several replicas on one Postgres, the retention run takes an
-/// advisory lock: while another session holds it, this one skips its turn.
+/// With several replicas on one Postgres, the retention run takes a lease:
+/// while another replica holds it, this one skips its turn; a lease left by
+/// a replica that died is taken over once it expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_retention_runs_on_one_replica_at_a_time() {
     use sqlx::Connection;
-    const RETENTION_LOCK: i64 = 0x6368_6174_6869_7374;
     let app = TestApp::new(Backend::Postgres).await;
     let now = Timestamp::now();
     store_append(&app, "u", &["old"], now.minus_seconds(100)).await;
     let mut other_replica = sqlx::PgConnection::connect(&app.db_url()).await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(RETENTION_LOCK)
-        .execute(&mut other_replica)
-        .await
-        .unwrap();
-    let skipped = app
-        .store
-        .retention_pass(Some(Duration::from_secs(10)), Duration::from_secs(86_400))
-        .await
-        .unwrap();
-    assert_eq!(skipped, None, "another replica is running retention");
+    sqlx::query(
+        "INSERT INTO chat_leases (name, holder, expires_at)
+         VALUES ('retention', 'another replica', now() + interval '1 minute')",
+    )
+    .execute(&mut other_replica)
+    .await
+    .unwrap();
+    let retention_pass = || {
+        app.store
+            .retention_pass(Some(Duration::from_secs(10)), Duration::from_secs(86_400))
+    };
+    assert_eq!(
+        retention_pass().await.unwrap(),
+        None,
+        "another replica is running retention"
+    );
     assert_eq!(app.get("/v1/users/u").await.body["message_count"], 1);
-    sqlx::query("SELECT pg_advisory_unlock($1)")
-        .bind(RETENTION_LOCK)
+    // That replica died: its lease runs out.
+    sqlx::query("UPDATE chat_leases SET expires_at = now() - interval '1 second'")
         .execute(&mut other_replica)
         .await
         .unwrap();
-    let ran = app
-        .store
-        .retention_pass(Some(Duration::from_secs(10)), Duration::from_secs(86_400))
+    let ran = retention_pass()
         .await
         .unwrap()
-        .expect("the lock is free again");
+        .expect("an expired lease is taken over");
     assert_eq!(ran.messages, 1);
-    // The lock was released after the run: another session can take it.
-    let free: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-        .bind(RETENTION_LOCK)
+    // The lease was released after the run: another replica can take it.
+    let leases: i64 = sqlx::query_scalar("SELECT count(*) FROM chat_leases")
         .fetch_one(&mut other_replica)
         .await
         .unwrap();
-    assert!(free);
+    assert_eq!(leases, 0);
 }

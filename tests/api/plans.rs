@@ -88,9 +88,10 @@ async fn per_user_statements_scan_only_that_users_key_range() {
     let options = "-c session_preload_libraries=auto_explain -c auto_explain.log_min_duration=0 \
                    -c auto_explain.log_level=notice -c auto_explain.log_format=json \
                    -c auto_explain.log_nested_statements=on -c enable_seqscan=off";
+    // auto_explain needs a session of its own: straight to the server.
     let url = format!(
         "{}?options={}",
-        db.url,
+        db.direct_url,
         url::form_urlencoded::byte_serialize(options.as_bytes()).collect::<String>()
     );
     let store = store::connect(&DatabaseUrl::new(&url), ConnectOptions::default())

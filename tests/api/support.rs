@@ -1,7 +1,10 @@
 //! Real databases for tests: a fresh Postgres database or a fresh SQLite
 //! file per test, migrated, and dropped afterwards. Postgres comes from
 //! `TEST_DATABASE_URL` (default: the local server as user `postgres`); when
-//! it cannot be reached the test fails, it never skips.
+//! it cannot be reached the test fails, it never skips. With
+//! `TEST_POOLER_URL` (a pooler in transaction mode in front of that server,
+//! e.g. `postgres://postgres@127.0.0.1:6432`), the service under test reaches
+//! each database through the pooler instead: scripts/pgbouncer-test does that.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -62,7 +65,10 @@ fn admin_url() -> String {
 /// A database that exists for one test.
 pub struct TestDb {
     pub backend: Backend,
+    /// How the service reaches it (through the pooler, if one is set).
     pub url: String,
+    /// How a test reaches it behind the service's back: the server itself.
+    pub direct_url: String,
     name: String,
 }
 
@@ -93,9 +99,18 @@ impl TestDb {
                     .expect("create the test database");
                 conn.close().await.ok();
                 let base = admin.rsplit_once('/').map_or(admin.as_str(), |(b, _)| b);
+                let direct_url = format!("{base}/{name}");
+                let url = match std::env::var("TEST_POOLER_URL") {
+                    Ok(pooler) => format!(
+                        "{}/{name}?pool_mode=transaction",
+                        pooler.trim_end_matches('/')
+                    ),
+                    Err(_) => direct_url.clone(),
+                };
                 Self {
                     backend,
-                    url: format!("{base}/{name}"),
+                    url,
+                    direct_url,
                     name,
                 }
             }
@@ -103,9 +118,11 @@ impl TestDb {
                 let dir = std::env::temp_dir().join("chat-history-tests");
                 std::fs::create_dir_all(&dir).expect("create the SQLite test folder");
                 let path = dir.join(format!("{name}.db"));
+                let url = format!("sqlite://{}", path.display());
                 Self {
                     backend,
-                    url: format!("sqlite://{}", path.display()),
+                    direct_url: url.clone(),
+                    url,
                     name: path.display().to_string(),
                 }
             }
@@ -204,9 +221,11 @@ impl TestApp {
         Self { router, store, db }
     }
 
-    /// The URL of this app's database.
+    /// The URL of this app's database, for a test's own connection (never
+    /// through the pooler: its prepared statements must not leak into the
+    /// pooler's server connections).
     pub fn db_url(&self) -> String {
-        self.db.url.clone()
+        self.db.direct_url.clone()
     }
 
     pub async fn send(&self, request: Request<Body>) -> Reply {
