@@ -1,18 +1,42 @@
-# chat-history: a multi-stage build of the release binary, run as a non-root
-# user from a small Debian image. Build: docker build -t chat-history .
+# chat-history: a multi-stage build of the release binary, run as the non-root
+# uid 10001 on a minimal base (glibc and libgcc_s: no shell, no package
+# manager). Build (BuildKit, Docker's default builder): docker build -t chat-history .
+#
+# Build arguments, for machines without a registry (scripts/image-test makes
+# local equivalents from Debian packages and passes them):
+#   RUST_IMAGE     the build stage: Rust >= rust-version, gcc and libc6-dev
+#   RUNTIME_IMAGE  the runtime stage: glibc and libgcc_s, with PATH set
+#   CARGO_VENDOR   "true": build offline from the crates in target/image/vendor
+#                  (cargo vendor --locked target/image/vendor)
+ARG RUST_IMAGE=rust:1.95-slim-bookworm
+ARG RUNTIME_IMAGE=gcr.io/distroless/cc-debian12:nonroot
 
-FROM rust:1.95-slim-bookworm AS build
+FROM ${RUST_IMAGE} AS build
+ARG CARGO_VENDOR=false
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
+# The pattern matches nothing when nothing was vendored: then this copies
+# nothing, and the crates come from crates.io.
+COPY targe[t]/image/vendor ./vendor/
 COPY src ./src
 COPY migrations ./migrations
 COPY benches ./benches
-RUN cargo build --release --locked --bin chat-history
+# target/ lives in a cache mount: after a source change only the crate itself
+# is compiled again.
+RUN --mount=type=cache,target=/src/target,id=chat-history-target,sharing=locked \
+    if [ "$CARGO_VENDOR" = true ]; then \
+        set -- --offline \
+            --config 'source.crates-io.replace-with="vendored"' \
+            --config 'source.vendored.directory="vendor"'; \
+    fi \
+    && cargo build --release --locked "$@" --bin chat-history \
+    && mkdir -p /out/data \
+    && cp target/release/chat-history /out/chat-history
 
-FROM debian:bookworm-slim
-RUN groupadd --system --gid 10001 chat-history \
-    && useradd --system --uid 10001 --gid 10001 --home-dir /data --create-home chat-history
-COPY --from=build /src/target/release/chat-history /usr/local/bin/chat-history
+# No RUN from here on: the runtime image needs no shell.
+FROM ${RUNTIME_IMAGE}
+COPY --from=build /out/chat-history /usr/local/bin/chat-history
+COPY --from=build --chown=10001:10001 /out/data /data
 USER 10001:10001
 WORKDIR /data
 # Inside the container the service listens on every address; with no API
