@@ -5,8 +5,8 @@
 //! Behind a pooler in transaction mode (`?pool_mode=transaction`: PgBouncer
 //! and the like) a server connection is ours only until the transaction
 //! ends, so statements go unnamed (no prepared statement outlives its
-//! transaction) and each runs inside a transaction, and the retention lock
-//! is a lease row rather than a session lock.
+//! transaction) and each runs inside a transaction. For the same reason the
+//! retention lock is a lease row, not a session lock, in every mode.
 
 use std::str::FromStr;
 use std::time::Duration;
