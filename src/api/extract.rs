@@ -6,10 +6,12 @@ use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::{header, request::Parts, StatusCode};
 use axum::response::Response;
 use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use utoipa::IntoParams;
 
 use super::AppState;
 use crate::auth::{self, Verified};
-use crate::domain::Tenant;
+use crate::domain::{Tenant, UserId};
 use crate::error::ApiError;
 
 /// `axum::extract::Query` with a 400 problem as its rejection.
@@ -127,5 +129,42 @@ mod tests {
         assert!(!has_json_content_type(&with("text/plain")));
         assert!(!has_json_content_type(&with("application/jsonx")));
         assert!(!has_json_content_type(&HeaderMap::new()));
+    }
+}
+
+/// The `{user_id}` of every per-user path.
+#[derive(Deserialize, IntoParams)]
+#[into_params(parameter_in = Path)]
+pub struct UserPath {
+    /// The caller's key for this history: 1–256 bytes of UTF-8, no control
+    /// characters, percent-encoded in the URL.
+    #[param(
+        example = "+15551234567",
+        min_length = 1,
+        max_length = 256,
+        pattern = r"^[^\x00-\x1F\x7F-\x9F]+$"
+    )]
+    pub(super) user_id: String,
+}
+
+/// A `user_id` from the path, or a 400 that says what is wrong with it.
+pub(super) fn user_id(raw: String) -> Result<UserId, ApiError> {
+    UserId::parse(raw).map_err(|e| ApiError::invalid_parameter("user_id", e))
+}
+
+/// The most items one page (a history read, a list of users) holds; the
+/// OpenAPI document says the same (`maximum = 1000` on each `limit`).
+pub(super) const MAX_PAGE_LIMIT: u32 = 1000;
+
+/// A page's `limit` parameter, `default` when absent, or a 400 naming it.
+pub(super) fn page_limit(limit: Option<u32>, default: u32) -> Result<u32, ApiError> {
+    let limit = limit.unwrap_or(default);
+    if (1..=MAX_PAGE_LIMIT).contains(&limit) {
+        Ok(limit)
+    } else {
+        Err(ApiError::invalid_parameter(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE_LIMIT}; got {limit}"),
+        ))
     }
 }

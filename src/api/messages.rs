@@ -7,32 +7,16 @@ use axum::Json;
 use serde::Deserialize;
 use utoipa::{IntoParams, ToSchema};
 
-use super::extract::{JsonBody, Path, Query};
+use super::extract::{page_limit, user_id, JsonBody, Path, Query, UserPath};
 use super::schema::{AppendResponse, DeletedResponse, HistoryResponse, MessageBatch};
-use super::{user_id, AppState};
+use super::AppState;
 use crate::domain::{
     AppendOutcome, BodyError, HistoryQuery, Idempotency, MessageBody, StoredMessage, Tenant,
     Timestamp,
 };
 use crate::error::{ApiError, Problem};
 
-/// The most messages one history read returns.
-const MAX_LIMIT: u32 = 1000;
 const DEFAULT_LIMIT: u32 = 50;
-
-#[derive(Deserialize, IntoParams)]
-#[into_params(parameter_in = Path)]
-pub struct UserPath {
-    /// The caller's key for this history: 1–256 bytes of UTF-8, no control
-    /// characters, percent-encoded in the URL.
-    #[param(
-        example = "+15551234567",
-        min_length = 1,
-        max_length = 256,
-        pattern = r"^[^\x00-\x1F\x7F-\x9F]+$"
-    )]
-    pub(super) user_id: String,
-}
 
 #[derive(Deserialize, IntoParams)]
 #[into_params(parameter_in = Path)]
@@ -99,13 +83,7 @@ pub struct HistoryParams {
 
 impl HistoryParams {
     fn to_query(&self, now: Timestamp, state: &AppState) -> Result<HistoryQuery, ApiError> {
-        let limit = self.limit.unwrap_or(DEFAULT_LIMIT);
-        if !(1..=MAX_LIMIT).contains(&limit) {
-            return Err(ApiError::invalid_parameter(
-                "limit",
-                format!("must be between 1 and {MAX_LIMIT}; got {limit}"),
-            ));
-        }
+        let limit = page_limit(self.limit, DEFAULT_LIMIT)?;
         let max_age = match self.max_age {
             Some(seconds) if seconds < 1 => {
                 return Err(ApiError::invalid_parameter(

@@ -10,10 +10,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tokio::sync::mpsc;
 
-use super::extract::{JsonBody, Path};
-use super::messages::UserPath;
+use super::extract::{user_id, JsonBody, Path, UserPath};
 use super::schema::{SaveTranscriptResponse, TranscriptBody, TranscriptResponse};
-use super::{user_id, AppState};
+use super::AppState;
 use crate::domain::{BodyError, IfMatch, MessageBody, SaveOutcome, Tenant, Timestamp, UserId};
 use crate::error::{error_chain, ApiError, Problem};
 use crate::store::{StoreError, TranscriptStream};

@@ -7,14 +7,12 @@ use axum::Json;
 use serde::Deserialize;
 use utoipa::IntoParams;
 
-use super::extract::{Path, Query};
-use super::messages::UserPath;
+use super::extract::{page_limit, user_id, Path, Query, UserPath};
 use super::schema::{DeletedResponse, UserListResponse, UserStatsResponse, UserSummaryResponse};
-use super::{user_id, AppState};
+use super::AppState;
 use crate::domain::{Tenant, UserId};
 use crate::error::{ApiError, Problem};
 
-const MAX_LIMIT: u32 = 1000;
 const DEFAULT_LIMIT: u32 = 100;
 
 #[derive(Deserialize, IntoParams)]
@@ -52,13 +50,7 @@ pub async fn list_users(
     tenant: Tenant,
     Query(params): Query<ListUsersParams>,
 ) -> Result<Json<UserListResponse>, ApiError> {
-    let limit = params.limit.unwrap_or(DEFAULT_LIMIT);
-    if !(1..=MAX_LIMIT).contains(&limit) {
-        return Err(ApiError::invalid_parameter(
-            "limit",
-            format!("must be between 1 and {MAX_LIMIT}; got {limit}"),
-        ));
-    }
+    let limit = page_limit(params.limit, DEFAULT_LIMIT)?;
     let after = params
         .after
         .map(UserId::parse)
