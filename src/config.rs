@@ -10,10 +10,11 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
-use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand};
 
 use crate::auth::{Access, Rate};
 use crate::store::{ConnectOptions, DatabaseUrl};
+use crate::telemetry::LogFormat;
 
 /// Prefix of the service's own environment variables.
 const ENV_PREFIX: &str = "CHAT_HISTORY_";
@@ -503,12 +504,6 @@ pub fn check_environment(
             format!("ignoring {name}, which no setting reads; did you mean {closest}?")
         })
         .collect())
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum LogFormat {
-    Pretty,
-    Json,
 }
 
 /// A setting that may be `off`.

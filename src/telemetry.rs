@@ -17,9 +17,14 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tower_http::trace::TraceLayer;
 use tracing_subscriber::EnvFilter;
 
-use crate::config::LogFormat;
-
 const DEFAULT_FILTER: &str = "info,sqlx=warn";
+
+/// How log lines are written: `pretty` for a terminal, `json` for machines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
 
 /// Installs the global subscriber; call once, at start-up.
 pub fn init(format: LogFormat) {
