@@ -137,8 +137,12 @@ async fn connect_and_migrate(config: &Config) -> Result<Arc<dyn Store>, StartErr
             )
         })?;
     store.migrate().await.map_err(|e| {
+        let what = match e {
+            store::StoreError::Migrate(_) => "cannot migrate",
+            _ => "cannot connect to",
+        };
         format!(
-            "cannot migrate DATABASE_URL {}: {}",
+            "{what} DATABASE_URL {}: {}",
             config.database_url,
             crate::error::error_chain(&e)
         )

@@ -37,7 +37,7 @@ pub enum StoreError {
     #[error("database error")]
     Database(#[source] sqlx::Error),
     #[error("migrations failed")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
+    Migrate(#[source] sqlx::migrate::MigrateError),
     #[error("the schema is not up to date: applied {applied:?}, this build needs {expected}")]
     NotMigrated { applied: Option<i64>, expected: i64 },
     #[error("unsupported DATABASE_URL {0:?}: use sqlite://PATH or postgres://USER@HOST/DB")]
@@ -52,6 +52,32 @@ pub enum StoreError {
     /// Shedding load rather than queueing it; the text says which limit.
     #[error("{0}")]
     Busy(&'static str),
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(error: sqlx::migrate::MigrateError) -> Self {
+        match error {
+            // Not a migration that failed: the database could not be reached
+            // (refused, TLS, authentication), and the error should say so.
+            sqlx::migrate::MigrateError::Execute(inner) if is_connection_error(&inner) => {
+                Self::from(inner)
+            }
+            other => Self::Migrate(other),
+        }
+    }
+}
+
+/// Errors of connecting, rather than of a statement: I/O, TLS, the pool,
+/// and the server's refusals (SQLSTATE class 08, connection exceptions, and
+/// 28, authorization, which is where pg_hba.conf rejections land).
+fn is_connection_error(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            code.starts_with("08") || code.starts_with("28")
+        }
+        other => is_unavailable(other),
+    }
 }
 
 impl From<sqlx::Error> for StoreError {

@@ -108,6 +108,7 @@ impl Session {
 impl PostgresStore {
     pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<Self, StoreError> {
         let parts = url.for_postgres().map_err(StoreError::BadUrl)?;
+        parts.check_files().map_err(StoreError::BadUrl)?;
         for parameter in parts.dropped {
             tracing::warn!("DATABASE_URL: ignoring the parameter {parameter:?}, which the Postgres driver does not know");
         }
@@ -127,6 +128,22 @@ impl PostgresStore {
             prepared,
             holder: lease_holder(),
         })
+    }
+
+    /// A connection for start-up work. When the pool gives up waiting for
+    /// one, a direct attempt finds out why (refused, unknown host, TLS,
+    /// authentication): the pool's own error says only that it timed out.
+    async fn first_connection(&self) -> Result<PoolConnection<Postgres>, StoreError> {
+        match self.pool.acquire().await {
+            Err(sqlx::Error::PoolTimedOut) => {
+                let cause = PgConnection::connect_with(&self.pool.connect_options())
+                    .await
+                    .err()
+                    .unwrap_or(sqlx::Error::PoolTimedOut);
+                Err(cause.into())
+            }
+            acquired => Ok(acquired?),
+        }
     }
 
     async fn session(&self) -> Result<Session, StoreError> {
@@ -627,15 +644,15 @@ ORDER BY u.user_id LIMIT $3
 #[async_trait]
 impl Store for PostgresStore {
     async fn migrate(&self) -> Result<(), StoreError> {
+        let mut conn = self.first_connection().await?;
         if self.prepared {
-            MIGRATOR.run(&self.pool).await?;
+            MIGRATOR.run_direct(&mut *conn).await?;
             return Ok(());
         }
         // Behind a transaction-mode pooler: the migrator's session lock and
         // named statements must not outlive our hold on the server
         // connection, so it runs inside one transaction, which drops every
         // prepared statement before it commits.
-        let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin().await?;
         MIGRATOR.run_direct(&mut *tx).await?;
         query(false, "DEALLOCATE ALL").execute(&mut *tx).await?;

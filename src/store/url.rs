@@ -56,6 +56,34 @@ pub(super) struct PostgresUrl {
     /// The names of the parameters dropped, for a warning.
     pub dropped: Vec<String>,
     pub pool_mode: PoolMode,
+    /// The files the URL names (`sslrootcert=PATH`, …): parameter and path.
+    pub files: Vec<(String, String)>,
+}
+
+/// The parameters whose value is a file the driver reads when it connects.
+const FILE_PARAMETERS: &[&str] = &[
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+];
+
+impl PostgresUrl {
+    /// A clear error for a named file that cannot be read, now, rather than
+    /// the driver's bare "No such file or directory" at the first connection.
+    pub fn check_files(&self) -> Result<(), String> {
+        for (parameter, path) in &self.files {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(format!(
+                    "DATABASE_URL: {parameter} names {path:?}, which cannot be read: {e}"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A `DATABASE_URL`.
@@ -91,11 +119,13 @@ impl DatabaseUrl {
                 url: self.0.clone(),
                 dropped: Vec::new(),
                 pool_mode: PoolMode::Session,
+                files: Vec::new(),
             });
         };
         let mut pool_mode = PoolMode::Session;
         let mut known = Vec::new();
         let mut dropped = Vec::new();
+        let mut files = Vec::new();
         for (k, v) in url.query_pairs() {
             if k == "pool_mode" {
                 pool_mode = match &*v {
@@ -110,6 +140,9 @@ impl DatabaseUrl {
                     }
                 };
             } else if POSTGRES_PARAMETERS.contains(&&*k) || k.starts_with("options[") {
+                if FILE_PARAMETERS.contains(&&*k) {
+                    files.push((k.clone().into_owned(), v.clone().into_owned()));
+                }
                 known.push((k.into_owned(), v.into_owned()));
             } else {
                 dropped.push(k.into_owned());
@@ -124,6 +157,7 @@ impl DatabaseUrl {
             url: SecretString::from(url.as_str()),
             dropped,
             pool_mode,
+            files,
         })
     }
 
@@ -234,6 +268,19 @@ mod tests {
             "postgres://app@db/chat?sslmode=require"
         );
         assert_eq!(parts.pool_mode, PoolMode::Session);
+    }
+
+    #[test]
+    fn a_named_file_that_cannot_be_read_is_named() {
+        let url = DatabaseUrl::new(
+            "postgres://app:s3cret@db/chat?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        );
+        let error = url.for_postgres().unwrap().check_files().unwrap_err();
+        assert!(
+            error.contains("sslrootcert") && error.contains("/nonexistent/ca.pem"),
+            "{error}"
+        );
+        assert!(!error.contains("s3cret"), "{error}");
     }
 
     #[test]
