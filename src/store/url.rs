@@ -12,19 +12,12 @@ use url::Url;
 /// What stands in for a secret in a printed URL.
 const REDACTED: &str = "***";
 
-/// The libpq parameters sqlx understands in a Postgres URL; any other is
-/// dropped before sqlx sees it (sqlx would log its value, which may be a
-/// secret such as `sslpassword`).
+/// The libpq parameters sqlx understands in a Postgres URL, with
+/// `FILE_PARAMETERS`; any other is dropped before sqlx sees it (sqlx would
+/// log its value, which may be a secret such as `sslpassword`).
 const POSTGRES_PARAMETERS: &[&str] = &[
     "sslmode",
     "ssl-mode",
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
     "statement-cache-capacity",
     "host",
     "hostaddr",
@@ -60,7 +53,8 @@ pub(super) struct PostgresUrl {
     pub files: Vec<(String, String)>,
 }
 
-/// The parameters whose value is a file the driver reads when it connects.
+/// The parameters sqlx understands whose value is a file it reads when it
+/// connects.
 const FILE_PARAMETERS: &[&str] = &[
     "sslrootcert",
     "ssl-root-cert",
@@ -139,10 +133,10 @@ impl DatabaseUrl {
                         ))
                     }
                 };
+            } else if FILE_PARAMETERS.contains(&&*k) {
+                files.push((k.clone().into_owned(), v.clone().into_owned()));
+                known.push((k.into_owned(), v.into_owned()));
             } else if POSTGRES_PARAMETERS.contains(&&*k) || k.starts_with("options[") {
-                if FILE_PARAMETERS.contains(&&*k) {
-                    files.push((k.clone().into_owned(), v.clone().into_owned()));
-                }
                 known.push((k.into_owned(), v.into_owned()));
             } else {
                 dropped.push(k.into_owned());
