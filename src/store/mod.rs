@@ -67,17 +67,13 @@ impl From<sqlx::migrate::MigrateError> for StoreError {
     }
 }
 
-/// Errors of connecting, rather than of a statement: I/O, TLS, the pool,
-/// and the server's refusals (SQLSTATE class 08, connection exceptions, and
-/// 28, authorization, which is where pg_hba.conf rejections land).
+/// Errors of reaching the database rather than of a statement: whatever
+/// [`is_unavailable`] says, and authorization refusals (SQLSTATE class 28,
+/// where pg_hba.conf rejections land).
 fn is_connection_error(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Database(db) => {
-            let code = db.code().unwrap_or_default();
-            code.starts_with("08") || code.starts_with("28")
-        }
-        other => is_unavailable(other),
-    }
+    is_unavailable(error)
+        || matches!(error, sqlx::Error::Database(db)
+            if db.code().is_some_and(|code| code.starts_with("28")))
 }
 
 impl From<sqlx::Error> for StoreError {
