@@ -284,118 +284,123 @@ fn append_result(
     )
 }
 
-/// Deletes the user's `excess` oldest messages (if any) inside `tx`, whose
-/// first statement locked the user, and says how many went.
-async fn evict_oldest(
-    prepared: bool,
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-    tenant: &Tenant,
-    user: &UserId,
-    excess: i64,
-) -> Result<u64, StoreError> {
-    if excess <= 0 {
-        return Ok(0);
+/// Retention, purge and eviction: the batched deletes.
+impl PostgresStore {
+    /// Deletes the user's `excess` oldest messages (if any) inside `tx`, whose
+    /// first statement locked the user, and says how many went.
+    async fn evict_oldest(
+        &self,
+        tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+        tenant: &Tenant,
+        user: &UserId,
+        excess: i64,
+    ) -> Result<u64, StoreError> {
+        if excess <= 0 {
+            return Ok(0);
+        }
+        query(self.prepared, EVICT_OLDEST)
+            .bind(tenant.as_str())
+            .bind(user.as_str())
+            .bind(excess)
+            .execute(&mut **tx)
+            .await?;
+        Ok(u64::try_from(excess).unwrap_or(0))
     }
-    query(prepared, EVICT_OLDEST)
-        .bind(tenant.as_str())
-        .bind(user.as_str())
-        .bind(excess)
-        .execute(&mut **tx)
+
+    /// The database's clock: cutoffs are taken from it, never from a replica's.
+    async fn database_now(&self, conn: &mut PgConnection) -> Result<Timestamp, StoreError> {
+        let mut tx = conn.begin().await?;
+        let micros: i64 = query_scalar(
+            self.prepared,
+            "SELECT (extract(epoch FROM now()) * 1000000)::bigint",
+        )
+        .fetch_one(&mut *tx)
         .await?;
-    Ok(u64::try_from(excess).unwrap_or(0))
-}
+        tx.commit().await?;
+        Ok(Timestamp::from_micros(micros))
+    }
 
-/// The database's clock: cutoffs are taken from it, never from a replica's.
-async fn database_now(prepared: bool, conn: &mut PgConnection) -> Result<Timestamp, StoreError> {
-    let mut tx = conn.begin().await?;
-    let micros: i64 = query_scalar(
-        prepared,
-        "SELECT (extract(epoch FROM now()) * 1000000)::bigint",
-    )
-    .fetch_one(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    Ok(Timestamp::from_micros(micros))
-}
-
-/// Deletes the tenant's messages created before `cutoff`, a bounded batch
-/// of users and rows per transaction, on `conn`. A `leased` purge (the
-/// retention run's) renews the lease after each batch and stops if it is lost.
-async fn purge_on(
-    store: &PostgresStore,
-    conn: &mut PgConnection,
-    tenant: &Tenant,
-    cutoff: Timestamp,
-    leased: bool,
-) -> Result<u64, StoreError> {
-    let prepared = store.prepared;
-    let mut total = 0;
-    loop {
-        let mut tx = conn.begin().await?;
-        let users: Vec<String> = query_scalar(prepared, LOCK_EXPIRED_USERS)
-            .bind(tenant.as_str())
-            .bind(cutoff.to_datetime())
-            .bind(PURGE_USERS_PER_BATCH)
-            .fetch_all(&mut *tx)
-            .await?;
-        if users.is_empty() {
+    /// Deletes the tenant's messages created before `cutoff`, a bounded batch
+    /// of users and rows per transaction, on `conn`. A `leased` purge (the
+    /// retention run's) renews the lease after each batch and stops if it is lost.
+    async fn purge_on(
+        &self,
+        conn: &mut PgConnection,
+        tenant: &Tenant,
+        cutoff: Timestamp,
+        leased: bool,
+    ) -> Result<u64, StoreError> {
+        let prepared = self.prepared;
+        let mut total = 0;
+        loop {
+            let mut tx = conn.begin().await?;
+            let users: Vec<String> = query_scalar(prepared, LOCK_EXPIRED_USERS)
+                .bind(tenant.as_str())
+                .bind(cutoff.to_datetime())
+                .bind(PURGE_USERS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let deleted: i64 = query_scalar(prepared, DELETE_EXPIRED)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .bind(cutoff.to_datetime())
+                .bind(PURGE_ROWS_PER_BATCH)
+                .fetch_one(&mut *tx)
+                .await?;
+            query(prepared, REFRESH_OLDEST)
+                .bind(tenant.as_str())
+                .bind(&users)
+                .execute(&mut *tx)
+                .await?;
             tx.commit().await?;
-            return Ok(total);
-        }
-        let deleted: i64 = query_scalar(prepared, DELETE_EXPIRED)
-            .bind(tenant.as_str())
-            .bind(&users)
-            .bind(cutoff.to_datetime())
-            .bind(PURGE_ROWS_PER_BATCH)
-            .fetch_one(&mut *tx)
-            .await?;
-        query(prepared, REFRESH_OLDEST)
-            .bind(tenant.as_str())
-            .bind(&users)
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        total += u64::try_from(deleted).unwrap_or(0);
-        if leased && !store.take_lease(conn).await? {
-            return Ok(total);
+            total += u64::try_from(deleted).unwrap_or(0);
+            if leased && !self.take_lease(conn).await? {
+                return Ok(total);
+            }
         }
     }
-}
 
-/// One retention run on `conn` by `store`, which holds the retention lease
-/// and renews it after every batch; a lease lost (the run took longer than
-/// the lease without a batch ending) ends the run early.
-async fn retention_work(
-    store: &PostgresStore,
-    conn: &mut PgConnection,
-    retention: Option<Duration>,
-    keys_ttl: Duration,
-) -> Result<RetentionReport, StoreError> {
-    let prepared = store.prepared;
-    let now = database_now(prepared, conn).await?;
-    let mut report = RetentionReport::default();
-    if let Some(retention) = retention {
-        let cutoff = now.minus_seconds(retention.as_secs());
-        let mut tx = conn.begin().await?;
-        let tenants: Vec<String> = query_scalar(prepared, TENANTS).fetch_all(&mut *tx).await?;
-        tx.commit().await?;
-        for tenant in tenants {
-            report.messages += purge_on(store, conn, &Tenant::new(tenant), cutoff, true).await?;
+    /// One retention run on `conn`, whose store holds the retention lease
+    /// and renews it after every batch; a lease lost (the run took longer than
+    /// the lease without a batch ending) ends the run early.
+    async fn retention_work(
+        &self,
+        conn: &mut PgConnection,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
+    ) -> Result<RetentionReport, StoreError> {
+        let prepared = self.prepared;
+        let now = self.database_now(conn).await?;
+        let mut report = RetentionReport::default();
+        if let Some(retention) = retention {
+            let cutoff = now.minus_seconds(retention.as_secs());
+            let mut tx = conn.begin().await?;
+            let tenants: Vec<String> = query_scalar(prepared, TENANTS).fetch_all(&mut *tx).await?;
+            tx.commit().await?;
+            for tenant in tenants {
+                report.messages += self
+                    .purge_on(conn, &Tenant::new(tenant), cutoff, true)
+                    .await?;
+            }
         }
-    }
-    let keys_cutoff = now.minus_seconds(keys_ttl.as_secs());
-    loop {
-        let mut tx = conn.begin().await?;
-        let deleted = query(prepared, DELETE_OLD_KEYS)
-            .bind(keys_cutoff.to_datetime())
-            .bind(KEYS_PER_BATCH)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        tx.commit().await?;
-        report.idempotency_keys += deleted;
-        if deleted == 0 || !store.take_lease(conn).await? {
-            return Ok(report);
+        let keys_cutoff = now.minus_seconds(keys_ttl.as_secs());
+        loop {
+            let mut tx = conn.begin().await?;
+            let deleted = query(prepared, DELETE_OLD_KEYS)
+                .bind(keys_cutoff.to_datetime())
+                .bind(KEYS_PER_BATCH)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            report.idempotency_keys += deleted;
+            if deleted == 0 || !self.take_lease(conn).await? {
+                return Ok(report);
+            }
         }
     }
 }
@@ -741,8 +746,7 @@ impl Store for PostgresStore {
             .fetch_one(&mut *tx)
             .await?;
         if let Some(cap) = cap {
-            evict_oldest(
-                self.prepared,
+            self.evict_oldest(
                 &mut tx,
                 tenant,
                 user,
@@ -871,8 +875,7 @@ impl Store for PostgresStore {
             .await?;
         let evicted = match cap {
             Some(cap) => {
-                evict_oldest(
-                    self.prepared,
+                self.evict_oldest(
                     &mut tx,
                     tenant,
                     user,
@@ -888,10 +891,11 @@ impl Store for PostgresStore {
 
     async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError> {
         let mut conn = self.pool.acquire().await?;
-        let cutoff = database_now(self.prepared, &mut conn)
+        let cutoff = self
+            .database_now(&mut conn)
             .await?
             .minus_seconds(max_age.as_secs());
-        purge_on(self, &mut conn, tenant, cutoff, false).await
+        self.purge_on(&mut conn, tenant, cutoff, false).await
     }
 
     async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
@@ -946,7 +950,7 @@ impl Store for PostgresStore {
         if !self.take_lease(&mut conn).await? {
             return Ok(None);
         }
-        let report = retention_work(self, &mut conn, retention, keys_ttl).await;
+        let report = self.retention_work(&mut conn, retention, keys_ttl).await;
         let released = self.release_lease(&mut conn).await;
         let report = report?;
         released?;
