@@ -33,6 +33,7 @@ import json
 import os
 import random
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -472,9 +473,19 @@ def attack_connection_cap(run):
     srv = run.server(new={"CHAT_HISTORY_MAX_CONNECTIONS": "20"})
     idle = []
     try:
-        for _ in range(20):
-            idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
-        time.sleep(0.5)  # let the server accept all of them
+        # The server may not yet have seen the readiness probe's close when
+        # the first of these arrive, so one of them can be refused for the
+        # probe's sake: replace any that was answered until 20 are held.
+        for _ in range(5):
+            answered = set(select.select(idle, [], [], 0)[0])
+            for s in answered:
+                s.close()
+            idle = [s for s in idle if s not in answered]
+            while len(idle) < 20:
+                idle.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+            time.sleep(0.5)  # let the server accept (or refuse) all of them
+            if not any(select.select(idle, [], [], 0)[0]):
+                break
         start = time.monotonic()
         try:
             raw = raw_exchange(srv.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
