@@ -10,6 +10,7 @@
 //!   every read walk the primary key and stay O(rows returned).
 
 mod postgres;
+mod sql;
 mod sqlite;
 mod url;
 
@@ -26,6 +27,7 @@ use crate::domain::{
 };
 
 pub use postgres::PostgresStore;
+pub use sql::SqlStore;
 pub use sqlite::SqliteStore;
 pub use url::{DatabaseUrl, PoolMode};
 
@@ -304,25 +306,6 @@ pub struct RetentionReport {
     pub idempotency_keys: u64,
 }
 
-/// Users locked and purged per retention transaction.
-const PURGE_USERS_PER_BATCH: i64 = 100;
-/// Users cleared per `clear_all` transaction.
-const CLEAR_USERS_PER_BATCH: i64 = 100;
-/// Idempotency keys deleted per transaction.
-const KEYS_PER_BATCH: i64 = 1000;
-
-/// Every tenant that has a user row, by a loose index scan of the primary
-/// key of `chat_users` (one probe per tenant); the same SQL on both backends.
-const TENANTS: &str = r#"
-WITH RECURSIVE t(tenant) AS (
-    SELECT min(tenant) FROM chat_users
-    UNION ALL
-    SELECT (SELECT min(tenant) FROM chat_users WHERE tenant > t.tenant)
-    FROM t WHERE t.tenant IS NOT NULL
-)
-SELECT tenant FROM t WHERE tenant IS NOT NULL
-"#;
-
 /// The messages of an append as stored: consecutive `seq` from `first_seq`,
 /// one `created_at`, bodies as given.
 fn appended(
@@ -434,60 +417,8 @@ async fn forward_rows(
     }
 }
 
-/// The transcript of `user` from the snapshot of `tx`, a read transaction
-/// that sees one snapshot throughout (each backend opens it its own way):
-/// the version and count now, the rows sent on by a task that holds `slot`
-/// and `tx` until the reader has them all, goes away, or `until` passes.
-/// Statements are named and cached when `prepared` (see `PostgresStore`).
-async fn stream_transcript<DB>(
-    prepared: bool,
-    mut tx: sqlx::Transaction<'static, DB>,
-    slot: OwnedSemaphorePermit,
-    tenant: &Tenant,
-    user: &UserId,
-    until: Instant,
-) -> Result<TranscriptStream, StoreError>
-where
-    DB: sqlx::Database + sqlx::database::HasStatementCache,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
-    for<'q> String: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
-    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i64: for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
-    let (version, count): (i64, i64) = sqlx::query_as(TRANSCRIPT_HEAD)
-        .persistent(prepared)
-        .bind(tenant.as_str())
-        .bind(user.as_str())
-        .fetch_optional(&mut *tx)
-        .await?
-        .unwrap_or((0, 0));
-    let (stream, sender) = TranscriptStream::new(version, count);
-    if count > 0 {
-        let (tenant, user) = (tenant.as_str().to_owned(), user.as_str().to_owned());
-        tokio::spawn(async move {
-            let _slot = slot;
-            let rows = sqlx::query_scalar(TRANSCRIPT_ROWS)
-                .persistent(prepared)
-                .bind(tenant)
-                .bind(user)
-                .fetch(&mut *tx);
-            forward_rows(rows, sender, until).await;
-        });
-    }
-    Ok(stream)
-}
-
-/// Reads the version and message count of a transcript's user.
-const TRANSCRIPT_HEAD: &str =
-    "SELECT version, message_count FROM chat_users WHERE tenant = $1 AND user_id = $2";
-
-/// The messages of a transcript, in order.
-const TRANSCRIPT_ROWS: &str =
-    "SELECT message FROM chat_messages WHERE tenant = $1 AND user_id = $2 ORDER BY seq";
-
 /// An idempotency record found for an append's key.
+#[derive(sqlx::FromRow)]
 struct SeenKey {
     request_digest: Vec<u8>,
     first_seq: i64,
@@ -550,9 +481,9 @@ pub async fn connect(
     options: ConnectOptions,
 ) -> Result<Arc<dyn Store>, StoreError> {
     if url.is_postgres() {
-        Ok(Arc::new(PostgresStore::connect(url, options)?))
+        Ok(Arc::new(postgres::connect(url, options)?))
     } else if url.is_sqlite() {
-        Ok(Arc::new(SqliteStore::connect(url.expose(), options).await?))
+        Ok(Arc::new(sqlite::connect(url.expose(), options).await?))
     } else {
         Err(StoreError::UnsupportedUrl(url.redacted()))
     }

@@ -1,0 +1,1129 @@
+//! The one store. Every statement, loop, idempotency replay and row mapping
+//! that both backends share lives here, generic over the [`Dialect`] that
+//! says where their SQL really differs. sqlx's SQLite driver binds `$N`
+//! like Postgres, so a statement both databases understand is one constant.
+//!
+//! Every write is a short transaction (`Dialect::BEGIN_WRITE`) whose first
+//! statement locks the user's row; every read sees one snapshot.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::database::HasStatementCache;
+use sqlx::migrate::Migrator;
+use sqlx::pool::PoolConnection;
+use sqlx::query::{Query, QueryAs, QueryScalar};
+use sqlx::{
+    ColumnIndex, Database, Decode, Encode, Executor, FromRow, IntoArguments, Pool, Transaction,
+    Type,
+};
+
+use super::{
+    appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
+    saved, users_page, PoolStatus, RetentionReport, SeenKey, Store, StoreError, StreamSlots,
+    TranscriptStream,
+};
+use crate::domain::{
+    extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
+    IfMatch, NewMessage, SaveOutcome, StoredMessage, Tenant, Timestamp, UserId, UserStats,
+    UserSummary,
+};
+
+/// Users locked and purged per retention transaction.
+const PURGE_USERS_PER_BATCH: i64 = 100;
+/// Messages deleted per retention transaction, at most: appends to those
+/// users (and on SQLite every append) wait while a batch runs.
+const PURGE_ROWS_PER_BATCH: i64 = 500;
+/// Messages deleted per transaction when a user is cleared.
+const CLEAR_ROWS_PER_BATCH: i64 = 2000;
+/// Users listed per step of `clear_all`.
+const CLEAR_USERS_PER_BATCH: i64 = 100;
+/// Idempotency keys deleted per transaction.
+const KEYS_PER_BATCH: i64 = 1000;
+/// How long a retention lease lasts unless renewed; each batch renews it,
+/// and a replica that dies holding it delays the next run by at most this.
+const RETENTION_LEASE_SECONDS: i64 = 120;
+/// The lease that lets one replica at a time run retention.
+const RETENTION_LEASE: &str = "retention";
+
+/// What a backend says in its own words: the statements whose SQL differs,
+/// and the steps that take more than one shared statement.
+#[async_trait]
+pub trait Dialect: Database + HasStatementCache {
+    /// Begins a transaction that writes.
+    const BEGIN_WRITE: &'static str;
+    /// Begins a read-only transaction that sees one snapshot throughout.
+    const BEGIN_SNAPSHOT: &'static str;
+    /// Whether `append` is one statement, safe outside a transaction.
+    const ONE_STATEMENT_APPEND: bool;
+    /// The database's clock, in microseconds since the Unix epoch.
+    const NOW_MICROS: &'static str;
+    /// Locks an existing user's row ($1 tenant, $2 user), returning its version.
+    const LOCK_USER_ROW: &'static str;
+    /// Locks up to `$3` users of tenant `$1` whose oldest message may be
+    /// older than `$2`, returning their ids.
+    const EXPIRED_USERS: &'static str;
+    /// Deletes up to `$4` messages older than `$3` of the users `$2`
+    /// (`Names`), returning the user of each.
+    const DELETE_EXPIRED: &'static str;
+    /// Takes the messages of the user list `$2` (one entry per message, as
+    /// `DELETE_EXPIRED` returned) off their counts.
+    const SUBTRACT_DELETED: &'static str;
+    /// Sets `oldest_at` of the users `$2` from their oldest message.
+    const REFRESH_OLDEST: &'static str;
+
+    /// A list of user ids as one bound value.
+    type Names: for<'q> Encode<'q, Self> + Type<Self> + Send + Sync;
+    fn names(users: &[String]) -> Self::Names;
+
+    fn rows_affected(result: &Self::QueryResult) -> u64;
+
+    fn migrator() -> &'static Migrator;
+
+    async fn migrate(pool: &Pool<Self>, prepared: bool) -> Result<(), StoreError>;
+
+    /// Bumps the user's counters by `messages` (creating the user) and
+    /// inserts them after its last `seq`, at `max(now, last_created_at)`.
+    async fn append(
+        conn: &mut Self::Connection,
+        prepared: bool,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        now: Timestamp,
+    ) -> Result<Counters, StoreError>;
+
+    /// Inserts `messages` with consecutive `seq` from `first_seq`.
+    async fn insert_messages(
+        conn: &mut Self::Connection,
+        prepared: bool,
+        tenant: &Tenant,
+        user: &UserId,
+        first_seq: i64,
+        created_at: Timestamp,
+        messages: &[NewMessage],
+    ) -> Result<(), StoreError>;
+}
+
+/// A user's counters, as every write that locks the user reads them.
+#[derive(Debug, FromRow)]
+pub struct Counters {
+    pub last_seq: i64,
+    pub version: i64,
+    pub message_count: i64,
+    pub last_created_at: Timestamp,
+    pub transcript_digest: Option<Vec<u8>>,
+}
+
+#[derive(FromRow)]
+struct StatsRow {
+    message_count: i64,
+    version: i64,
+    first_seq: i64,
+    last_seq: i64,
+    oldest_at: Timestamp,
+    newest_at: Timestamp,
+}
+
+/// Both backends' store: a pool for writes (and, on Postgres, reads), and
+/// on SQLite a pool of read-only connections beside its single writer.
+pub struct SqlStore<DB: Database> {
+    pool: Pool<DB>,
+    readers: Option<Pool<DB>>,
+    /// Named, cached statements; false behind a pooler in transaction mode.
+    prepared: bool,
+    streams: StreamSlots,
+    /// Who holds the retention lease when this store does.
+    holder: String,
+}
+
+/// A connection for statements that need no transaction of their own: a
+/// plain pool connection, or behind a transaction-mode pooler a transaction,
+/// so that a statement's parse and execute reach the same server connection.
+enum Session<DB: Database> {
+    Direct(PoolConnection<DB>),
+    Pinned(Transaction<'static, DB>),
+}
+
+impl<DB: Database> Session<DB> {
+    fn conn(&mut self) -> &mut DB::Connection {
+        match self {
+            Self::Direct(conn) => conn,
+            Self::Pinned(tx) => tx,
+        }
+    }
+
+    async fn done(self) -> Result<(), StoreError> {
+        if let Self::Pinned(tx) = self {
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The database's clock as read at the start of a run, moved on by this
+/// process's monotonic clock: lease times without a round trip each.
+struct Clock {
+    at: Timestamp,
+    read: std::time::Instant,
+}
+
+impl Clock {
+    fn now(&self) -> Timestamp {
+        let elapsed = i64::try_from(self.read.elapsed().as_micros()).unwrap_or(i64::MAX);
+        Timestamp::from_micros(self.at.as_micros().saturating_add(elapsed))
+    }
+}
+
+impl<DB: Database> SqlStore<DB> {
+    pub(super) fn new(
+        pool: Pool<DB>,
+        readers: Option<Pool<DB>>,
+        prepared: bool,
+        max_connections: u32,
+    ) -> Self {
+        Self {
+            pool,
+            readers,
+            prepared,
+            streams: StreamSlots::new(max_connections),
+            holder: lease_holder(),
+        }
+    }
+}
+
+impl<DB> SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Vec<u8>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Timestamp: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'a> &'a str: ColumnIndex<DB::Row>,
+{
+    /// A statement about one user: `$1` the tenant, `$2` the user.
+    fn user<'q>(
+        &self,
+        sql: &'q str,
+        tenant: &'q Tenant,
+        user: &'q str,
+    ) -> Query<'q, DB, DB::Arguments<'q>> {
+        sqlx::query(sql)
+            .persistent(self.prepared)
+            .bind(tenant.as_str())
+            .bind(user)
+    }
+
+    fn user_scalar<'q, O>(
+        &self,
+        sql: &'q str,
+        tenant: &'q Tenant,
+        user: &'q str,
+    ) -> QueryScalar<'q, DB, O, DB::Arguments<'q>>
+    where
+        (O,): for<'r> FromRow<'r, DB::Row>,
+    {
+        self.scalar(sql).bind(tenant.as_str()).bind(user)
+    }
+
+    fn user_rows<'q, O>(
+        &self,
+        sql: &'q str,
+        tenant: &'q Tenant,
+        user: &'q str,
+    ) -> QueryAs<'q, DB, O, DB::Arguments<'q>>
+    where
+        O: for<'r> FromRow<'r, DB::Row>,
+    {
+        sqlx::query_as(sql)
+            .persistent(self.prepared)
+            .bind(tenant.as_str())
+            .bind(user)
+    }
+
+    fn scalar<'q, O>(&self, sql: &'q str) -> QueryScalar<'q, DB, O, DB::Arguments<'q>>
+    where
+        (O,): for<'r> FromRow<'r, DB::Row>,
+    {
+        sqlx::query_scalar(sql).persistent(self.prepared)
+    }
+
+    /// A connection for reading: SQLite's read-only pool, else a session.
+    async fn reader(&self) -> Result<Session<DB>, StoreError> {
+        match &self.readers {
+            Some(readers) => Ok(Session::Direct(readers.acquire().await?)),
+            None => self.session().await,
+        }
+    }
+
+    async fn session(&self) -> Result<Session<DB>, StoreError> {
+        Ok(if self.prepared {
+            Session::Direct(self.pool.acquire().await?)
+        } else {
+            Session::Pinned(self.pool.begin().await?)
+        })
+    }
+
+    async fn write(&self) -> Result<Transaction<'static, DB>, StoreError> {
+        Ok(self.pool.begin_with(DB::BEGIN_WRITE).await?)
+    }
+
+    /// The database's clock: cutoffs are taken from it, never from a replica's.
+    async fn database_now(&self) -> Result<Clock, StoreError> {
+        let mut session = self.reader().await?;
+        let micros: i64 = self
+            .scalar(DB::NOW_MICROS)
+            .fetch_one(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(Clock {
+            at: Timestamp::from_micros(micros),
+            read: std::time::Instant::now(),
+        })
+    }
+
+    /// Takes or renews the retention lease for `RETENTION_LEASE_SECONDS`
+    /// inside the caller's write; false while another replica holds it.
+    async fn renew_lease(
+        &self,
+        conn: &mut DB::Connection,
+        clock: &Clock,
+    ) -> Result<bool, StoreError> {
+        let now = clock.now();
+        let expires = Timestamp::from_micros(
+            now.as_micros()
+                .saturating_add(RETENTION_LEASE_SECONDS * 1_000_000),
+        );
+        let taken = sqlx::query(TAKE_LEASE)
+            .persistent(self.prepared)
+            .bind(RETENTION_LEASE)
+            .bind(self.holder.as_str())
+            .bind(expires)
+            .bind(now)
+            .execute(conn)
+            .await?;
+        Ok(DB::rows_affected(&taken) == 1)
+    }
+
+    /// Runs `renew_lease` in a write of its own.
+    async fn take_lease(&self, clock: &Clock) -> Result<bool, StoreError> {
+        let mut tx = self.write().await?;
+        let taken = self.renew_lease(&mut tx, clock).await?;
+        tx.commit().await?;
+        Ok(taken)
+    }
+
+    async fn release_lease(&self) -> Result<(), StoreError> {
+        let mut tx = self.write().await?;
+        sqlx::query("DELETE FROM chat_leases WHERE name = $1 AND holder = $2")
+            .persistent(self.prepared)
+            .bind(RETENTION_LEASE)
+            .bind(self.holder.as_str())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Deletes the tenant's messages created before `cutoff`, a bounded batch
+    /// of users and rows per write. With a `lease` (the retention run's) each
+    /// batch first renews it, and the purge stops once it is lost.
+    async fn purge_before(
+        &self,
+        tenant: &Tenant,
+        cutoff: Timestamp,
+        lease: Option<&Clock>,
+    ) -> Result<u64, StoreError> {
+        let mut total = 0;
+        loop {
+            let mut tx = self.write().await?;
+            if let Some(clock) = lease {
+                if !self.renew_lease(&mut tx, clock).await? {
+                    return Ok(total);
+                }
+            }
+            let users: Vec<String> = self
+                .scalar(DB::EXPIRED_USERS)
+                .bind(tenant.as_str())
+                .bind(cutoff)
+                .bind(PURGE_USERS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            if users.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            let gone: Vec<String> = self
+                .scalar(DB::DELETE_EXPIRED)
+                .bind(tenant.as_str())
+                .bind(DB::names(&users))
+                .bind(cutoff)
+                .bind(PURGE_ROWS_PER_BATCH)
+                .fetch_all(&mut *tx)
+                .await?;
+            for (statement, names) in [(DB::SUBTRACT_DELETED, &gone), (DB::REFRESH_OLDEST, &users)]
+            {
+                sqlx::query(statement)
+                    .persistent(self.prepared)
+                    .bind(tenant.as_str())
+                    .bind(DB::names(names))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            total += gone.len() as u64;
+        }
+    }
+
+    /// One retention run, the lease held: renewed by every batch, and a
+    /// lease lost (a batch outlasted it) ends the run early.
+    async fn retention_work(
+        &self,
+        clock: &Clock,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
+    ) -> Result<RetentionReport, StoreError> {
+        let mut report = RetentionReport::default();
+        if let Some(retention) = retention {
+            let cutoff = clock.at.minus_seconds(retention.as_secs());
+            let mut session = self.reader().await?;
+            let tenants: Vec<String> = self.scalar(TENANTS).fetch_all(session.conn()).await?;
+            session.done().await?;
+            for tenant in tenants {
+                report.messages += self
+                    .purge_before(&Tenant::new(tenant), cutoff, Some(clock))
+                    .await?;
+            }
+        }
+        let keys_cutoff = clock.at.minus_seconds(keys_ttl.as_secs());
+        loop {
+            let mut tx = self.write().await?;
+            if !self.renew_lease(&mut tx, clock).await? {
+                return Ok(report);
+            }
+            let deleted = sqlx::query(DELETE_OLD_KEYS)
+                .persistent(self.prepared)
+                .bind(keys_cutoff)
+                .bind(KEYS_PER_BATCH)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            let deleted = DB::rows_affected(&deleted);
+            report.idempotency_keys += deleted;
+            if deleted == 0 {
+                return Ok(report);
+            }
+        }
+    }
+
+    /// Deletes the user's `excess` oldest messages (if any) inside the
+    /// caller's write, whose first statement locked the user; says how many went.
+    async fn evict_oldest(
+        &self,
+        conn: &mut DB::Connection,
+        tenant: &Tenant,
+        user: &UserId,
+        excess: i64,
+    ) -> Result<u64, StoreError> {
+        if excess <= 0 {
+            return Ok(0);
+        }
+        let evicted = self
+            .user(EVICT_OLDEST, tenant, user.as_str())
+            .bind(excess)
+            .execute(&mut *conn)
+            .await?;
+        let evicted = DB::rows_affected(&evicted);
+        self.user(SUBTRACT_EVICTED, tenant, user.as_str())
+            .bind(db_count(evicted))
+            .execute(&mut *conn)
+            .await?;
+        Ok(evicted)
+    }
+
+    /// Deletes the user's messages up to its newest one now, a bounded batch
+    /// per write, so that clearing a long history never holds a writer for
+    /// long; appends arriving meanwhile are kept.
+    async fn clear(&self, tenant: &Tenant, user: &str) -> Result<u64, StoreError> {
+        let mut session = self.reader().await?;
+        let through: Option<i64> = self
+            .user_scalar(
+                "SELECT last_seq FROM chat_users
+                 WHERE tenant = $1 AND user_id = $2 AND message_count > 0",
+                tenant,
+                user,
+            )
+            .fetch_optional(session.conn())
+            .await?;
+        session.done().await?;
+        let Some(through) = through else {
+            return Ok(0);
+        };
+        let mut total = 0;
+        loop {
+            let mut tx = self.write().await?;
+            self.user(DB::LOCK_USER_ROW, tenant, user)
+                .execute(&mut *tx)
+                .await?;
+            let deleted = self
+                .user(CLEAR_BATCH, tenant, user)
+                .bind(through)
+                .bind(CLEAR_ROWS_PER_BATCH)
+                .execute(&mut *tx)
+                .await?;
+            let deleted = DB::rows_affected(&deleted);
+            if deleted == 0 {
+                tx.rollback().await?;
+                return Ok(total);
+            }
+            self.user(SUBTRACT_CLEARED, tenant, user)
+                .bind(db_count(deleted))
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            total += deleted;
+            if deleted < CLEAR_ROWS_PER_BATCH as u64 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// The transcript of `user` from the snapshot of `tx`: the version and
+    /// count now, the rows sent on by a task that holds `slot` and `tx`
+    /// until the reader has them all, goes away, or `until` passes.
+    async fn stream_transcript(
+        &self,
+        mut tx: Transaction<'static, DB>,
+        slot: tokio::sync::OwnedSemaphorePermit,
+        tenant: &Tenant,
+        user: &UserId,
+        until: tokio::time::Instant,
+    ) -> Result<TranscriptStream, StoreError> {
+        let (version, count): (i64, i64) = self
+            .user_rows(TRANSCRIPT_HEAD, tenant, user.as_str())
+            .fetch_optional(&mut *tx)
+            .await?
+            .unwrap_or((0, 0));
+        let (stream, sender) = TranscriptStream::new(version, count);
+        if count > 0 {
+            let (tenant, user) = (tenant.as_str().to_owned(), user.as_str().to_owned());
+            let prepared = self.prepared;
+            tokio::spawn(async move {
+                let _slot = slot;
+                let rows = sqlx::query_scalar(TRANSCRIPT_ROWS)
+                    .persistent(prepared)
+                    .bind(tenant)
+                    .bind(user)
+                    .fetch(&mut *tx);
+                forward_rows(rows, sender, until).await;
+            });
+        }
+        Ok(stream)
+    }
+}
+
+#[async_trait]
+impl<DB> Store for SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Vec<u8>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Timestamp: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'a> &'a str: ColumnIndex<DB::Row>,
+{
+    async fn migrate(&self) -> Result<(), StoreError> {
+        DB::migrate(&self.pool, self.prepared).await
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        let mut session = self.reader().await?;
+        let applied: Option<i64> = self
+            .scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(session.conn())
+            .await
+            .or_else(|e| {
+                if is_missing_table(&e) {
+                    Ok(None)
+                } else {
+                    Err(e)
+                }
+            })?;
+        // A failed statement has aborted a pinned transaction: nothing to commit.
+        if applied.is_some() {
+            session.done().await?;
+        }
+        let expected = latest_version(DB::migrator());
+        if applied.is_some_and(|v| v >= expected) {
+            Ok(())
+        } else {
+            Err(StoreError::NotMigrated { applied, expected })
+        }
+    }
+
+    async fn append_messages(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        now: Timestamp,
+        cap: Option<u64>,
+        idempotency: Option<&Idempotency>,
+    ) -> Result<AppendOutcome, StoreError> {
+        let stored = |c: Counters| {
+            let first_seq = c.last_seq - db_count(messages.len()) + 1;
+            appended(messages, first_seq, c.last_created_at, c.version)
+        };
+        if DB::ONE_STATEMENT_APPEND && cap.is_none() && idempotency.is_none() {
+            // The common case: one statement, one round trip.
+            let mut session = self.session().await?;
+            let counters =
+                DB::append(session.conn(), self.prepared, tenant, user, messages, now).await?;
+            session.done().await?;
+            return Ok(AppendOutcome::Stored(stored(counters)?));
+        }
+        let mut tx = self.write().await?;
+        if let Some(key) = idempotency {
+            // Lock the user first: a concurrent request with the same key
+            // waits here, then finds the record this one leaves.
+            self.user(LOCK_USER, tenant, user.as_str())
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            let seen: Option<SeenKey> = self
+                .user_rows(SEEN_KEY, tenant, user.as_str())
+                .bind(key.key())
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some(seen) = seen {
+                tx.commit().await?;
+                return seen.outcome(key, messages);
+            }
+        }
+        let counters = DB::append(&mut tx, self.prepared, tenant, user, messages, now).await?;
+        if let Some(cap) = cap {
+            let excess = counters.message_count - db_count(cap);
+            self.evict_oldest(&mut tx, tenant, user, excess).await?;
+        }
+        let result = stored(counters)?;
+        if let Some(key) = idempotency {
+            self.user(REMEMBER_KEY, tenant, user.as_str())
+                .bind(key.key())
+                .bind(key.request_digest().to_vec())
+                .bind(result.messages[0].seq)
+                .bind(result.messages[0].created_at)
+                .bind(result.version)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(AppendOutcome::Stored(result))
+    }
+
+    async fn transcript_stream(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        deadline: Duration,
+    ) -> Result<TranscriptStream, StoreError> {
+        // The deadline covers the wait for a slot and the whole read.
+        let until = tokio::time::Instant::now() + deadline;
+        let slot = self.streams.take(until).await?;
+        let pool = self.readers.as_ref().unwrap_or(&self.pool);
+        let tx = pool.begin_with(DB::BEGIN_SNAPSHOT).await?;
+        self.stream_transcript(tx, slot, tenant, user, until).await
+    }
+
+    async fn save_transcript(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        messages: &[NewMessage],
+        if_match: Option<&IfMatch>,
+        now: Timestamp,
+        cap: Option<u64>,
+        max_removed: usize,
+    ) -> Result<SaveOutcome, StoreError> {
+        let mut tx = self.write().await?;
+        let counters: Counters = self
+            .user_rows(LOCK_USER, tenant, user.as_str())
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await?;
+        let (version, stored) = (counters.version, row_count(counters.message_count));
+        if if_match.is_some_and(|c| !c.admits(version, counters.message_count)) {
+            tx.rollback().await?;
+            return Ok(SaveOutcome::PreconditionFailed {
+                current_version: version,
+            });
+        }
+        // At most `messages.len()` can be kept: refuse before comparing.
+        if let Some(refused) = removes_too_many(stored, messages.len(), max_removed) {
+            tx.rollback().await?;
+            return Ok(refused);
+        }
+        let known = counters.transcript_digest.as_deref();
+        let difference: Option<(i64, i64)> = if extends_saved(known, stored, messages) {
+            // What the last save stored is a prefix of this transcript.
+            None
+        } else {
+            let incoming: Vec<u8> = messages.iter().flat_map(|m| m.digest()).collect();
+            self.user_rows(FIRST_DIFFERENCE, tenant, user.as_str())
+                .bind(incoming)
+                .bind(db_count(messages.len()))
+                .fetch_optional(&mut *tx)
+                .await?
+        };
+        let kept = difference.map_or(stored, |(pos, _)| row_count(pos) - 1);
+        if let Some(refused) = removes_too_many(stored, kept, max_removed) {
+            tx.rollback().await?;
+            return Ok(refused);
+        }
+        if kept == stored && kept == messages.len() {
+            tx.rollback().await?;
+            return Ok(saved(version, stored, messages.len(), kept, 0));
+        }
+        if let Some((_, first_removed)) = difference {
+            self.user(
+                "DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq >= $3",
+                tenant,
+                user.as_str(),
+            )
+            .bind(first_removed)
+            .execute(&mut *tx)
+            .await?;
+        }
+        let new = &messages[kept..];
+        let created_at = now.max(counters.last_created_at);
+        let first_seq = counters.last_seq + 1;
+        DB::insert_messages(
+            &mut tx,
+            self.prepared,
+            tenant,
+            user,
+            first_seq,
+            created_at,
+            new,
+        )
+        .await?;
+        let version: i64 = self
+            .user_scalar(FINISH_SAVE, tenant, user.as_str())
+            .bind(db_count(new.len()))
+            .bind(db_count(messages.len()))
+            .bind(created_at)
+            .bind(transcript_digest(messages).to_vec())
+            .fetch_one(&mut *tx)
+            .await?;
+        let evicted = match cap {
+            Some(cap) => {
+                let excess = db_count(messages.len()) - db_count(cap);
+                self.evict_oldest(&mut tx, tenant, user, excess).await?
+            }
+            None => 0,
+        };
+        tx.commit().await?;
+        Ok(saved(version, stored, messages.len(), kept, evicted))
+    }
+
+    async fn purge_expired(&self, tenant: &Tenant, max_age: Duration) -> Result<u64, StoreError> {
+        let cutoff = self
+            .database_now()
+            .await?
+            .at
+            .minus_seconds(max_age.as_secs());
+        self.purge_before(tenant, cutoff, None).await
+    }
+
+    async fn clear_all(&self, tenant: &Tenant) -> Result<u64, StoreError> {
+        // User by user, moving forward by key so that appends arriving
+        // meanwhile cannot keep it going.
+        let mut total = 0;
+        let mut after = String::new();
+        loop {
+            let mut session = self.reader().await?;
+            let users: Vec<String> = self
+                .user_scalar(
+                    "SELECT user_id FROM chat_users WHERE tenant = $1 AND user_id > $2
+                     AND message_count > 0 ORDER BY user_id LIMIT $3",
+                    tenant,
+                    &after,
+                )
+                .bind(CLEAR_USERS_PER_BATCH)
+                .fetch_all(session.conn())
+                .await?;
+            session.done().await?;
+            let Some(last) = users.last() else {
+                return Ok(total);
+            };
+            after = last.clone();
+            for user in &users {
+                total += self.clear(tenant, user).await?;
+            }
+        }
+    }
+
+    async fn retention_pass(
+        &self,
+        retention: Option<Duration>,
+        keys_ttl: Duration,
+    ) -> Result<Option<RetentionReport>, StoreError> {
+        // The lock is a lease row, not a session lock: it must hold behind a
+        // pooler in transaction mode too, where no session is ours for long.
+        // Every step takes one connection and gives it back, so a pool of
+        // one connection is enough and SQLite's writer is never held between batches.
+        let clock = self.database_now().await?;
+        if !self.take_lease(&clock).await? {
+            return Ok(None);
+        }
+        let report = self.retention_work(&clock, retention, keys_ttl).await;
+        let released = self.release_lease().await;
+        let report = report?;
+        released?;
+        Ok(Some(report))
+    }
+
+    async fn history_window(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        query: HistoryQuery,
+    ) -> Result<HistoryPage, StoreError> {
+        let fetch = i64::from(query.limit) + 1;
+        let before = query.before.unwrap_or(i64::MAX);
+        let mut session = self.reader().await?;
+        let rows: Vec<(i64, Timestamp, String)> = match query.after {
+            None => {
+                self.user_rows(PAGE_BACK, tenant, user.as_str())
+                    .bind(before)
+                    .bind(fetch)
+                    .fetch_all(session.conn())
+                    .await?
+            }
+            Some(after) => {
+                let not_before = query.not_before.unwrap_or(Timestamp::from_micros(0));
+                let window_start: Option<i64> = self
+                    .user_scalar(WINDOW_START, tenant, user.as_str())
+                    .bind(not_before)
+                    .fetch_optional(session.conn())
+                    .await?;
+                match window_start {
+                    None => Vec::new(),
+                    Some(start) => {
+                        self.user_rows(PAGE_FORWARD, tenant, user.as_str())
+                            .bind(after.max(start - 1))
+                            .bind(before)
+                            .bind(fetch)
+                            .fetch_all(session.conn())
+                            .await?
+                    }
+                }
+            }
+        };
+        session.done().await?;
+        assemble_page(rows, query)
+    }
+
+    async fn message(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        seq: i64,
+    ) -> Result<Option<StoredMessage>, StoreError> {
+        let mut session = self.reader().await?;
+        let row: Option<(Timestamp, String)> = self
+            .user_rows(
+                "SELECT created_at, message FROM chat_messages
+                 WHERE tenant = $1 AND user_id = $2 AND seq = $3",
+                tenant,
+                user.as_str(),
+            )
+            .bind(seq)
+            .fetch_optional(session.conn())
+            .await?;
+        session.done().await?;
+        row.map(|(at, body)| {
+            StoredMessage::new(seq, at, body).map_err(|e| StoreError::Corrupt(e.to_string()))
+        })
+        .transpose()
+    }
+
+    async fn delete_message(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        seq: i64,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.write().await?;
+        let locked: Option<i64> = self
+            .user_scalar(DB::LOCK_USER_ROW, tenant, user.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        if locked.is_none() {
+            return Ok(false);
+        }
+        let deleted = self
+            .user(
+                "DELETE FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq = $3",
+                tenant,
+                user.as_str(),
+            )
+            .bind(seq)
+            .execute(&mut *tx)
+            .await?;
+        if DB::rows_affected(&deleted) == 0 {
+            return Ok(false);
+        }
+        self.user(
+            "UPDATE chat_users SET message_count = message_count - 1, version = version + 1,
+                 transcript_digest = NULL
+             WHERE tenant = $1 AND user_id = $2",
+            tenant,
+            user.as_str(),
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    async fn user_stats(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+    ) -> Result<Option<UserStats>, StoreError> {
+        let mut session = self.reader().await?;
+        let row: Option<StatsRow> = self
+            .user_rows(STATS, tenant, user.as_str())
+            .fetch_optional(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(row.map(|r| UserStats {
+            message_count: r.message_count,
+            first_seq: r.first_seq,
+            last_seq: r.last_seq,
+            oldest_at: r.oldest_at,
+            newest_at: r.newest_at,
+            version: r.version,
+        }))
+    }
+
+    async fn clear_user(&self, tenant: &Tenant, user: &UserId) -> Result<u64, StoreError> {
+        self.clear(tenant, user.as_str()).await
+    }
+
+    async fn list_users(
+        &self,
+        tenant: &Tenant,
+        after: Option<&UserId>,
+        limit: u32,
+    ) -> Result<(Vec<UserSummary>, bool), StoreError> {
+        let mut session = self.reader().await?;
+        let rows: Vec<(String, i64, Timestamp)> = self
+            .user_rows(LIST_USERS, tenant, after.map_or("", UserId::as_str))
+            .bind(i64::from(limit) + 1)
+            .fetch_all(session.conn())
+            .await?;
+        session.done().await?;
+        users_page(rows, limit)
+    }
+
+    fn pool_status(&self) -> PoolStatus {
+        let mut status = PoolStatus::of(&self.pool);
+        if let Some(readers) = &self.readers {
+            let readers = PoolStatus::of(readers);
+            status.in_use += readers.in_use;
+            status.idle += readers.idle;
+        }
+        status
+    }
+
+    async fn close(&self) {
+        self.pool.close().await;
+        if let Some(readers) = &self.readers {
+            readers.close().await;
+        }
+    }
+}
+
+/// No migrations table yet: the database answers, but is not migrated.
+fn is_missing_table(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if db.code().as_deref() == Some("42P01") || db.message().contains("no such table"))
+}
+
+/// Names this process (and store) as a lease holder, uniquely enough that
+/// two replicas, or two stores in one process, never share a name.
+fn lease_holder() -> String {
+    static STORES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let host = std::env::var("HOSTNAME").unwrap_or_default();
+    format!(
+        "{host}/{}/{}/{}",
+        std::process::id(),
+        STORES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        Timestamp::now().as_micros()
+    )
+}
+
+/// Takes the lease `$1` for holder `$2` until `$3`, when nobody holds it,
+/// when it expired before `$4` (the database's time now), or to renew our own.
+const TAKE_LEASE: &str = r#"
+INSERT INTO chat_leases (name, holder, expires_at) VALUES ($1, $2, $3)
+ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
+WHERE chat_leases.expires_at < $4 OR chat_leases.holder = excluded.holder
+"#;
+
+/// Every tenant that has a user row, by a loose index scan of the primary
+/// key of `chat_users` (one probe per tenant).
+const TENANTS: &str = r#"
+WITH RECURSIVE t(tenant) AS (
+    SELECT min(tenant) FROM chat_users
+    UNION ALL
+    SELECT (SELECT min(tenant) FROM chat_users WHERE tenant > t.tenant)
+    FROM t WHERE t.tenant IS NOT NULL
+)
+SELECT tenant FROM t WHERE tenant IS NOT NULL
+"#;
+
+/// Locks the user's row, creating it (version 0, no messages, `$3` as its
+/// time) if needed, and reads its counters: the first statement of every
+/// multi-step write. (On SQLite the write transaction is the lock.)
+const LOCK_USER: &str = r#"
+INSERT INTO chat_users (tenant, user_id, last_seq, version, message_count, last_created_at)
+VALUES ($1, $2, 0, 0, 0, $3)
+ON CONFLICT (tenant, user_id) DO UPDATE SET version = chat_users.version
+RETURNING last_seq, version, message_count, last_created_at, transcript_digest
+"#;
+
+const SEEN_KEY: &str = "SELECT request_digest, first_seq, created_at, version
+    FROM chat_idempotency WHERE tenant = $1 AND user_id = $2 AND key = $3";
+
+const REMEMBER_KEY: &str = "INSERT INTO chat_idempotency
+    (tenant, user_id, key, request_digest, first_seq, created_at, version, stored_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8)";
+
+/// By key columns rather than `ctid` or `rowid`, which a distributed table
+/// (Citus) cannot route.
+const DELETE_OLD_KEYS: &str = r#"
+DELETE FROM chat_idempotency WHERE (tenant, user_id, key) IN (
+    SELECT tenant, user_id, key FROM chat_idempotency WHERE stored_at < $1 LIMIT $2)
+"#;
+
+/// The first stored message (its position from 1, and `seq`) that differs
+/// from the incoming transcript, whose digests are `$3` laid end to end and
+/// whose length is `$4`; none when the stored transcript is a prefix of it.
+const FIRST_DIFFERENCE: &str = r#"
+SELECT pos, seq FROM (
+    SELECT seq, digest, row_number() OVER (ORDER BY seq) AS pos
+    FROM chat_messages WHERE tenant = $1 AND user_id = $2) stored
+WHERE pos > $4 OR digest <> substr($3, CAST((pos - 1) * 16 + 1 AS integer), 16)
+ORDER BY pos LIMIT 1
+"#;
+
+/// The counters after a save that appended `$3` messages and now holds `$4`.
+const FINISH_SAVE: &str = r#"
+UPDATE chat_users SET
+    last_seq = last_seq + $3,
+    version = version + 1,
+    message_count = $4,
+    last_created_at = $5,
+    oldest_at = (SELECT created_at FROM chat_messages m
+                 WHERE m.tenant = chat_users.tenant AND m.user_id = chat_users.user_id
+                 ORDER BY seq LIMIT 1),
+    transcript_digest = $6
+WHERE tenant = $1 AND user_id = $2
+RETURNING version
+"#;
+
+/// The user's `$3` oldest messages.
+const EVICT_OLDEST: &str = r#"
+DELETE FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND seq IN (
+    SELECT seq FROM chat_messages WHERE tenant = $1 AND user_id = $2
+    ORDER BY seq LIMIT $3)
+"#;
+
+const SUBTRACT_EVICTED: &str = "UPDATE chat_users
+    SET message_count = message_count - $3, transcript_digest = NULL
+    WHERE tenant = $1 AND user_id = $2";
+
+/// Up to `$4` of the user's messages up to `seq` `$3`, oldest first.
+const CLEAR_BATCH: &str = r#"
+DELETE FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND seq IN (
+    SELECT seq FROM chat_messages WHERE tenant = $1 AND user_id = $2 AND seq <= $3
+    ORDER BY seq LIMIT $4)
+"#;
+
+const SUBTRACT_CLEARED: &str = r#"
+UPDATE chat_users SET version = version + 1, message_count = message_count - $3,
+    transcript_digest = NULL,
+    oldest_at = (SELECT created_at FROM chat_messages m
+                 WHERE m.tenant = $1 AND m.user_id = $2 ORDER BY seq LIMIT 1)
+WHERE tenant = $1 AND user_id = $2
+"#;
+
+const TRANSCRIPT_HEAD: &str =
+    "SELECT version, message_count FROM chat_users WHERE tenant = $1 AND user_id = $2";
+
+const TRANSCRIPT_ROWS: &str =
+    "SELECT message FROM chat_messages WHERE tenant = $1 AND user_id = $2 ORDER BY seq";
+
+/// Newest first below `$3`, bounded by the primary key; the age filter is
+/// applied to the result, which is a prefix because `created_at` follows `seq`.
+const PAGE_BACK: &str = r#"
+SELECT seq, created_at, message FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND seq < $3
+ORDER BY seq DESC LIMIT $4
+"#;
+
+/// Where the age window of a user starts: the smallest `seq` whose
+/// `created_at` is `$3` or later, found through `chat_messages_age`.
+const WINDOW_START: &str = r#"
+SELECT seq FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND created_at >= $3
+ORDER BY created_at, seq LIMIT 1
+"#;
+
+/// Oldest first after `$3`, below `$4`. The window start is found first
+/// (`WINDOW_START`): SQLite does not turn a subquery bound into an index range.
+const PAGE_FORWARD: &str = r#"
+SELECT seq, created_at, message FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND seq > $3 AND seq < $4
+ORDER BY seq LIMIT $5
+"#;
+
+const STATS: &str = r#"
+SELECT message_count, version, first_seq, last_seq,
+    (SELECT created_at FROM chat_messages m
+     WHERE m.tenant = s.tenant AND m.user_id = s.user_id AND m.seq = s.first_seq) AS oldest_at,
+    (SELECT created_at FROM chat_messages m
+     WHERE m.tenant = s.tenant AND m.user_id = s.user_id AND m.seq = s.last_seq) AS newest_at
+FROM (
+    SELECT u.tenant, u.user_id, u.message_count, u.version,
+        (SELECT seq FROM chat_messages m WHERE m.tenant = u.tenant AND m.user_id = u.user_id
+         ORDER BY seq LIMIT 1) AS first_seq,
+        (SELECT seq FROM chat_messages m WHERE m.tenant = u.tenant AND m.user_id = u.user_id
+         ORDER BY seq DESC LIMIT 1) AS last_seq
+    FROM chat_users u WHERE u.tenant = $1 AND u.user_id = $2
+) s
+WHERE first_seq IS NOT NULL
+"#;
+
+/// Users after `$2` (by the bytes of `user_id`), up to `$3`.
+const LIST_USERS: &str = r#"
+SELECT u.user_id, u.message_count,
+    (SELECT created_at FROM chat_messages m WHERE m.tenant = u.tenant AND m.user_id = u.user_id
+     ORDER BY seq DESC LIMIT 1) AS newest_at
+FROM chat_users u
+WHERE u.tenant = $1 AND u.user_id > $2 AND u.message_count > 0
+ORDER BY u.user_id LIMIT $3
+"#;
