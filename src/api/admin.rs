@@ -4,8 +4,7 @@ use std::time::Duration;
 
 use axum::extract::State;
 use axum::Json;
-use serde::Deserialize;
-use serde_json::value::RawValue;
+use serde::de::{DeserializeOwned, IgnoredAny};
 
 use super::extract::JsonBody;
 use super::schema::{ClearAllRequest, DeletedResponse, PurgeExpiredRequest};
@@ -31,10 +30,8 @@ pub async fn purge_expired(
     tenant: Tenant,
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
-    let max_age = admin_body(&body)?
-        .max_age
-        .and_then(|raw| serde_json::from_str::<serde_json::Number>(raw.get()).ok())
-        .and_then(|n| whole_seconds(&n))
+    let max_age = admin_body::<PurgeExpiredRequest>(&body)?
+        .and_then(|request| request.max_age())
         .ok_or_else(|| {
             ApiError::Unprocessable(
                 "send {\"max_age\": SECONDS} with a whole number of seconds of at least 1".into(),
@@ -48,42 +45,24 @@ pub async fn purge_expired(
     Ok(Json(DeletedResponse { deleted }))
 }
 
-/// The fields of an admin body, borrowed from its bytes; anything else in
-/// it is skipped unread. Valid JSON that is not an object has neither field.
-#[derive(Default, Deserialize)]
-struct AdminBody<'a> {
-    #[serde(borrow)]
-    max_age: Option<&'a RawValue>,
-    #[serde(borrow)]
-    confirm: Option<&'a RawValue>,
-}
-
-fn admin_body(bytes: &[u8]) -> Result<AdminBody<'_>, ApiError> {
-    match serde_json::from_slice::<AdminBody>(bytes) {
+/// An admin body as its request type, which is also its documented
+/// schema: `None` when it is JSON but not an object of that shape (each
+/// endpoint says what it needs), 400 when it is not JSON at all.
+fn admin_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<Option<T>, ApiError> {
+    let is_object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let parsed = if is_object {
+        serde_json::from_slice::<T>(bytes).map(Some)
+    } else {
+        // An array would fill a struct's fields in order: not an object, no fields.
+        serde_json::from_slice::<IgnoredAny>(bytes).map(|_| None)
+    };
+    match parsed {
         Ok(body) => Ok(body),
-        Err(e) if e.classify() == serde_json::error::Category::Data => Ok(AdminBody::default()),
+        Err(e) if e.classify() == serde_json::error::Category::Data => Ok(None),
         Err(e) => Err(ApiError::BadRequest(format!(
             "the body is not valid JSON: {e}"
         ))),
     }
-}
-
-/// A JSON number that is a whole number of seconds from 1 to `i64::MAX`, the
-/// documented `int64`. As in JSON Schema, `3600.0` is the integer 3600.
-fn whole_seconds(n: &serde_json::Number) -> Option<u64> {
-    const BEYOND_I64: f64 = 9_223_372_036_854_775_808.0;
-    let seconds = match n.as_i64() {
-        Some(seconds) => u64::try_from(seconds).ok()?,
-        None => {
-            let seconds = n.as_f64()?;
-            if seconds.fract() != 0.0 || !(0.0..BEYOND_I64).contains(&seconds) {
-                return None;
-            }
-            // A whole number below 2^63: its shortest decimal form is exact.
-            format!("{seconds:.0}").parse::<u64>().ok()?
-        }
-    };
-    Some(seconds).filter(|seconds| *seconds >= 1)
 }
 
 /// Delete every message of every user.
@@ -103,7 +82,7 @@ pub async fn clear_all(
     tenant: Tenant,
     JsonBody(body): JsonBody,
 ) -> Result<Json<DeletedResponse>, ApiError> {
-    if admin_body(&body)?.confirm.map(RawValue::get) != Some("true") {
+    if !admin_body::<ClearAllRequest>(&body)?.is_some_and(|request| request.confirm) {
         return Err(ApiError::BadRequest(
             "this deletes every message; send {\"confirm\": true} to do it".into(),
         ));

@@ -2,7 +2,7 @@
 //! `Message` is any JSON object with a string `role`; the server never looks
 //! inside it beyond that, and returns it as it was written.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use utoipa::openapi::schema::{AdditionalProperties, ObjectBuilder, Schema, Type};
 use utoipa::openapi::RefOr;
 use utoipa::{PartialSchema, ToSchema};
@@ -182,15 +182,38 @@ pub struct SaveTranscriptResponse {
 }
 
 /// `POST /v1/admin/purge-expired`.
-#[derive(ToSchema)]
+// One type parses the body and documents it; other fields are ignored.
+#[derive(Deserialize, ToSchema)]
 pub struct PurgeExpiredRequest {
     /// Delete every message older than this many seconds.
-    #[schema(minimum = 1, example = 2592000)]
-    pub max_age: u64,
+    #[schema(value_type = u64, minimum = 1, example = 2592000)]
+    pub max_age: serde_json::Number,
+}
+
+impl PurgeExpiredRequest {
+    /// `max_age` as a whole number of seconds from 1 to `i64::MAX`, the
+    /// documented `int64`. As in JSON Schema, `3600.0` is the integer 3600.
+    pub fn max_age(&self) -> Option<u64> {
+        const BEYOND_I64: f64 = 9_223_372_036_854_775_808.0;
+        let n = &self.max_age;
+        let seconds = match n.as_i64() {
+            Some(seconds) => u64::try_from(seconds).ok()?,
+            None => {
+                let seconds = n.as_f64()?;
+                if seconds.fract() != 0.0 || !(0.0..BEYOND_I64).contains(&seconds) {
+                    return None;
+                }
+                // A whole number below 2^63: its shortest decimal form is exact.
+                format!("{seconds:.0}").parse::<u64>().ok()?
+            }
+        };
+        Some(seconds).filter(|seconds| *seconds >= 1)
+    }
 }
 
 /// `POST /v1/admin/clear-all`.
-#[derive(ToSchema)]
+// One type parses the body and documents it.
+#[derive(Deserialize, ToSchema)]
 pub struct ClearAllRequest {
     /// Must be `true`: this deletes every message.
     #[schema(schema_with = only_true)]
