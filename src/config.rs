@@ -28,7 +28,7 @@ pub struct Cli {
     pub config: Config,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 pub enum Command {
     /// Run the HTTP service (the default).
     Serve,
@@ -39,6 +39,47 @@ pub enum Command {
     /// Ask the service at CHAT_HISTORY_BIND whether it is alive (`/healthz`);
     /// exits 0 if so. For container health checks: needs no curl.
     Healthcheck,
+    /// Copy every tenant's histories from one store to another (SQLite to
+    /// Postgres, Postgres to SQLite, Postgres to Postgres), exactly, then
+    /// verify them. Resumable: run it again after an interruption.
+    Copy(CopyArgs),
+    /// Write histories from DATABASE_URL to stdout as NDJSON: a header line,
+    /// then one line per message.
+    Export(ExportArgs),
+    /// Read an export from stdin into DATABASE_URL, one user per transaction.
+    Import(ImportArgs),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CopyArgs {
+    /// The store to read: sqlite://PATH or postgres://… (not changed).
+    #[arg(long, value_name = "URL")]
+    pub from: DatabaseUrl,
+    /// The store to write, migrated first if needed.
+    #[arg(long, value_name = "URL")]
+    pub to: DatabaseUrl,
+    /// Copy into a target that holds other users too (never one that holds
+    /// any of the same users with other messages).
+    #[arg(long)]
+    pub merge: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    /// Only this tenant (API keys map to tenants; without keys it is `default`).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Only this user of --tenant: one user's whole history.
+    #[arg(long, requires = "tenant")]
+    pub user: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ImportArgs {
+    /// Import into a database that holds other users too (never over a
+    /// user it holds with other messages).
+    #[arg(long)]
+    pub merge: bool,
 }
 
 /// The largest values the count and size settings accept: beyond them a

@@ -4,7 +4,7 @@
 //! in Postgres or SQLite behind one trait, `api` serves them over HTTP (behind
 //! `auth`) with
 //! `error` shaping every failure as problem+json, `cleanup` enforces retention,
-//! and `server` runs it all.
+//! `transfer` copies, exports and imports histories, and `server` runs it all.
 
 pub mod api;
 pub mod auth;
@@ -16,6 +16,7 @@ pub mod error;
 pub mod server;
 pub mod store;
 pub mod telemetry;
+pub mod transfer;
 
 pub use api::{openapi_json, router, AppState};
 pub use config::Limits;

@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use chat_history::config::{check_environment, environment_source, Cli, Command};
-use chat_history::{openapi_json, server, telemetry};
+use chat_history::{openapi_json, server, telemetry, transfer};
 
 fn main() -> ExitCode {
     // Before clap: a variable of ours that is not UTF-8 gets a message that
@@ -27,8 +27,8 @@ fn main() -> ExitCode {
             error.exit()
         }
     };
-    let command = cli.command.unwrap_or(Command::Serve);
-    if command == Command::Openapi {
+    let command = cli.command.clone().unwrap_or(Command::Serve);
+    if matches!(command, Command::Openapi) {
         print!("{}", openapi_json());
         return ExitCode::SUCCESS;
     }
@@ -47,6 +47,9 @@ fn main() -> ExitCode {
         match command {
             Command::Migrate => server::migrate(cli.config).await,
             Command::Healthcheck => server::healthcheck(cli.config).await,
+            Command::Copy(args) => transfer::run_copy(args, cli.config).await,
+            Command::Export(args) => transfer::run_export(args, cli.config).await,
+            Command::Import(args) => transfer::run_import(args, cli.config).await,
             Command::Serve | Command::Openapi => server::serve(cli.config).await,
         }
     });

@@ -54,6 +54,10 @@ pub enum StoreError {
     /// Shedding load rather than queueing it; the text says which limit.
     #[error("{0}")]
     Busy(&'static str),
+    /// What a [`UserRows`] source could not give (a bad line of an import,
+    /// say); the load it fed changed nothing.
+    #[error("{0}")]
+    Input(String),
 }
 
 impl From<sqlx::migrate::MigrateError> for StoreError {
@@ -274,11 +278,98 @@ pub trait Store: Send + Sync + 'static {
         limit: u32,
     ) -> Result<(Vec<UserSummary>, bool), StoreError>;
 
+    /// Users, with or without messages, in `(tenant, user_id)` order after
+    /// `after`, of every tenant or only of `tenant`: for copying and export.
+    async fn dump_users(
+        &self,
+        tenant: Option<&str>,
+        after: Option<(&str, &str)>,
+        limit: u32,
+    ) -> Result<Vec<UserRecord>, StoreError>;
+
+    async fn user_record(&self, tenant: &str, user: &str)
+        -> Result<Option<UserRecord>, StoreError>;
+
+    /// The user's messages after `after_seq`, in order, as stored.
+    async fn dump_messages(
+        &self,
+        tenant: &str,
+        user: &str,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, StoreError>;
+
+    /// The user's idempotency keys after `after`, in key order, as stored.
+    async fn dump_keys(
+        &self,
+        tenant: &str,
+        user: &str,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<KeyRecord>, StoreError>;
+
+    /// Writes users that are not in this store yet, exactly as `rows` gives
+    /// them, in one transaction: all of them, or (on any error, `rows`' own
+    /// included) none.
+    async fn load_users(&self, rows: &mut dyn UserRows) -> Result<(), StoreError>;
+
+    /// How many users and messages the store holds.
+    async fn totals(&self) -> Result<(u64, u64), StoreError>;
+
     /// Connections of the pools, in use and idle, for `/metrics`.
     fn pool_status(&self) -> PoolStatus;
 
     /// Closes the pools, waiting for connections in use to come back.
     async fn close(&self);
+}
+
+/// A user's row as stored, so that a copy keeps it exactly.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct UserRecord {
+    pub tenant: String,
+    pub user_id: String,
+    pub last_seq: i64,
+    pub version: i64,
+    pub message_count: i64,
+    pub last_created_at: Timestamp,
+    pub oldest_at: Option<Timestamp>,
+    pub transcript_digest: Option<Vec<u8>>,
+}
+
+/// A message as stored: the body verbatim, its 16-byte digest.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct MessageRecord {
+    pub seq: i64,
+    pub created_at: Timestamp,
+    pub message: String,
+    pub digest: Vec<u8>,
+}
+
+/// An idempotency record as stored, with its age (`stored_at`).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct KeyRecord {
+    pub key: String,
+    pub request_digest: Vec<u8>,
+    pub first_seq: i64,
+    pub created_at: Timestamp,
+    pub version: i64,
+    pub stored_at: Timestamp,
+}
+
+/// Where [`Store::load_users`] takes users from, a batch at a time, so
+/// that a user of any size costs bounded memory: for each user, its
+/// messages in `seq` order, then its keys, then its row.
+#[async_trait]
+pub trait UserRows: Send {
+    /// Moves on to the next user of this transaction: `(tenant, user_id)`,
+    /// or `None` when the transaction should end here.
+    async fn next_user(&mut self) -> Result<Option<(String, String)>, StoreError>;
+    /// The user's next messages; none when there are no more.
+    async fn messages(&mut self) -> Result<Vec<MessageRecord>, StoreError>;
+    /// The user's next idempotency keys; none when there are no more.
+    async fn keys(&mut self) -> Result<Vec<KeyRecord>, StoreError>;
+    /// The user's row, asked for last.
+    async fn user(&mut self) -> Result<UserRecord, StoreError>;
 }
 
 /// Database pool connections, for `/metrics`.

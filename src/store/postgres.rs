@@ -23,7 +23,7 @@ use sqlx::postgres::{
 use sqlx::{Connection, Decode, Encode, PgConnection, Pool, Postgres, Type};
 
 use super::sql::{Counters, Dialect, SqlStore};
-use super::{db_count, ConnectOptions, DatabaseUrl, PoolMode, StoreError};
+use super::{db_count, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
 pub type PostgresStore = SqlStore<Postgres>;
@@ -156,6 +156,30 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .await?)
     }
 
+    async fn insert_records(
+        conn: &mut PgConnection,
+        prepared: bool,
+        tenant: &Tenant,
+        user: &str,
+        rows: &[MessageRecord],
+    ) -> Result<(), StoreError> {
+        let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+        let times: Vec<DateTime<Utc>> = rows.iter().map(|r| r.created_at.to_datetime()).collect();
+        let bodies: Vec<&str> = rows.iter().map(|r| r.message.as_str()).collect();
+        let digests: Vec<&[u8]> = rows.iter().map(|r| r.digest.as_slice()).collect();
+        sqlx::query(INSERT_RECORDS)
+            .persistent(prepared)
+            .bind(tenant.as_str())
+            .bind(user)
+            .bind(seqs)
+            .bind(times)
+            .bind(bodies)
+            .bind(digests)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
     async fn insert_messages(
         conn: &mut PgConnection,
         prepared: bool,
@@ -211,6 +235,12 @@ WITH u AS (
     FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
 )
 SELECT last_seq, version, last_created_at, message_count, transcript_digest FROM u
+"#;
+
+const INSERT_RECORDS: &str = r#"
+INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+SELECT $1, $2, m.seq, m.created_at, m.body, m.digest
+FROM unnest($3::bigint[], $4::timestamptz[], $5::text[], $6::bytea[]) AS m(seq, created_at, body, digest)
 "#;
 
 const INSERT_MESSAGES: &str = r#"

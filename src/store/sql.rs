@@ -20,8 +20,8 @@ use sqlx::{
 
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
-    saved, users_page, PoolStatus, RetentionReport, SeenKey, Store, StoreError, StreamSlots,
-    TranscriptStream,
+    saved, users_page, KeyRecord, MessageRecord, PoolStatus, RetentionReport, SeenKey, Store,
+    StoreError, StreamSlots, TranscriptStream, UserRecord, UserRows,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -92,6 +92,16 @@ pub trait Dialect: Database + HasStatementCache {
         messages: &[NewMessage],
         now: Timestamp,
     ) -> Result<Counters, StoreError>;
+
+    /// Inserts messages exactly as given (a load: `seq`, `created_at` and
+    /// digest each their own).
+    async fn insert_records(
+        conn: &mut Self::Connection,
+        prepared: bool,
+        tenant: &Tenant,
+        user: &str,
+        rows: &[MessageRecord],
+    ) -> Result<(), StoreError>;
 
     /// Inserts `messages` with consecutive `seq` from `first_seq`.
     async fn insert_messages(
@@ -539,6 +549,8 @@ where
     for<'q> Timestamp: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
     usize: ColumnIndex<DB::Row>,
     for<'a> &'a str: ColumnIndex<DB::Row>,
+    for<'q> Option<Timestamp>: Encode<'q, DB>,
+    for<'q> Option<Vec<u8>>: Encode<'q, DB>,
 {
     async fn migrate(&self) -> Result<(), StoreError> {
         DB::migrate(&self.pool, self.prepared).await
@@ -936,6 +948,133 @@ where
         users_page(rows, limit)
     }
 
+    async fn dump_users(
+        &self,
+        tenant: Option<&str>,
+        after: Option<(&str, &str)>,
+        limit: u32,
+    ) -> Result<Vec<UserRecord>, StoreError> {
+        let (after_tenant, after_user) = after.unwrap_or(("", ""));
+        let mut session = self.reader().await?;
+        let users = sqlx::query_as(DUMP_USERS)
+            .persistent(self.prepared)
+            .bind(tenant.unwrap_or(""))
+            .bind(after_tenant)
+            .bind(after_user)
+            .bind(i64::from(limit))
+            .fetch_all(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(users)
+    }
+
+    async fn user_record(
+        &self,
+        tenant: &str,
+        user: &str,
+    ) -> Result<Option<UserRecord>, StoreError> {
+        let tenant = Tenant::new(tenant);
+        let mut session = self.reader().await?;
+        let record = self
+            .user_rows(USER_RECORD, &tenant, user)
+            .fetch_optional(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(record)
+    }
+
+    async fn dump_messages(
+        &self,
+        tenant: &str,
+        user: &str,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<MessageRecord>, StoreError> {
+        let tenant = Tenant::new(tenant);
+        let mut session = self.reader().await?;
+        let rows = self
+            .user_rows(DUMP_MESSAGES, &tenant, user)
+            .bind(after_seq)
+            .bind(i64::from(limit))
+            .fetch_all(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(rows)
+    }
+
+    async fn dump_keys(
+        &self,
+        tenant: &str,
+        user: &str,
+        after: &str,
+        limit: u32,
+    ) -> Result<Vec<KeyRecord>, StoreError> {
+        let tenant = Tenant::new(tenant);
+        let mut session = self.reader().await?;
+        let rows = self
+            .user_rows(DUMP_KEYS, &tenant, user)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(session.conn())
+            .await?;
+        session.done().await?;
+        Ok(rows)
+    }
+
+    async fn load_users(&self, rows: &mut dyn UserRows) -> Result<(), StoreError> {
+        // Dropped on any error before the commit: nothing of it stays.
+        let mut tx = self.write().await?;
+        while let Some((tenant, user)) = rows.next_user().await? {
+            let tenant = Tenant::new(tenant);
+            loop {
+                let batch = rows.messages().await?;
+                if batch.is_empty() {
+                    break;
+                }
+                DB::insert_records(&mut tx, self.prepared, &tenant, &user, &batch).await?;
+            }
+            loop {
+                let batch = rows.keys().await?;
+                if batch.is_empty() {
+                    break;
+                }
+                for key in batch {
+                    self.user(REMEMBER_KEY, &tenant, &user)
+                        .bind(key.key)
+                        .bind(key.request_digest)
+                        .bind(key.first_seq)
+                        .bind(key.created_at)
+                        .bind(key.version)
+                        .bind(key.stored_at)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+            let record = rows.user().await?;
+            self.user(LOAD_USER, &tenant, &user)
+                .bind(record.last_seq)
+                .bind(record.version)
+                .bind(record.message_count)
+                .bind(record.last_created_at)
+                .bind(record.oldest_at)
+                .bind(record.transcript_digest)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn totals(&self) -> Result<(u64, u64), StoreError> {
+        let mut session = self.reader().await?;
+        let (users, messages): (i64, i64) = sqlx::query_as(TOTALS)
+            .persistent(self.prepared)
+            .fetch_one(session.conn())
+            .await?;
+        session.done().await?;
+        Ok((row_count(users) as u64, row_count(messages) as u64))
+    }
+
     fn pool_status(&self) -> PoolStatus {
         let mut status = PoolStatus::of(&self.pool);
         if let Some(readers) = &self.readers {
@@ -1127,3 +1266,40 @@ FROM chat_users u
 WHERE u.tenant = $1 AND u.user_id > $2 AND u.message_count > 0
 ORDER BY u.user_id LIMIT $3
 "#;
+
+/// Users in `(tenant, user_id)` order after `($2, $3)`, of tenant `$1` (or
+/// of every tenant when `$1` is empty), up to `$4`.
+const DUMP_USERS: &str = r#"
+SELECT tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at,
+       transcript_digest
+FROM chat_users
+WHERE ($1 = '' OR tenant = $1) AND (tenant, user_id) > ($2, $3)
+ORDER BY tenant, user_id LIMIT $4
+"#;
+
+const USER_RECORD: &str = r#"
+SELECT tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at,
+       transcript_digest
+FROM chat_users WHERE tenant = $1 AND user_id = $2
+"#;
+
+const DUMP_MESSAGES: &str = r#"
+SELECT seq, created_at, message, digest FROM chat_messages
+WHERE tenant = $1 AND user_id = $2 AND seq > $3
+ORDER BY seq LIMIT $4
+"#;
+
+const DUMP_KEYS: &str = r#"
+SELECT key, request_digest, first_seq, created_at, version, stored_at FROM chat_idempotency
+WHERE tenant = $1 AND user_id = $2 AND key > $3
+ORDER BY key LIMIT $4
+"#;
+
+const LOAD_USER: &str = r#"
+INSERT INTO chat_users (tenant, user_id, last_seq, version, message_count, last_created_at,
+                        oldest_at, transcript_digest)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+"#;
+
+const TOTALS: &str =
+    "SELECT count(*), CAST(coalesce(sum(message_count), 0) AS bigint) FROM chat_users";

@@ -21,7 +21,7 @@ use sqlx::sqlite::{
 use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 
 use super::sql::{Counters, Dialect, SqlStore};
-use super::{db_count, ConnectOptions, StoreError};
+use super::{db_count, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
 pub type SqliteStore = SqlStore<Sqlite>;
@@ -129,6 +129,30 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         Ok(counters)
     }
 
+    async fn insert_records(
+        conn: &mut SqliteConnection,
+        _prepared: bool,
+        tenant: &Tenant,
+        user: &str,
+        rows: &[MessageRecord],
+    ) -> Result<(), StoreError> {
+        for chunk in rows.chunks(INSERT_CHUNK) {
+            let sql = insert_sql(chunk.len(), 3, 4, |p| {
+                format!("($1, $2, ${p}, ${}, ${}, ${})", p + 1, p + 2, p + 3)
+            });
+            let mut insert = sqlx::query(&sql).bind(tenant.as_str()).bind(user);
+            for row in chunk {
+                insert = insert
+                    .bind(row.seq)
+                    .bind(row.created_at)
+                    .bind(row.message.as_str())
+                    .bind(row.digest.as_slice());
+            }
+            insert.execute(&mut *conn).await?;
+        }
+        Ok(())
+    }
+
     async fn insert_messages(
         conn: &mut SqliteConnection,
         _prepared: bool,
@@ -139,7 +163,9 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         messages: &[NewMessage],
     ) -> Result<(), StoreError> {
         for (chunk_index, chunk) in messages.chunks(INSERT_CHUNK).enumerate() {
-            let sql = insert_messages_sql(chunk.len());
+            let sql = insert_sql(chunk.len(), 4, 3, |p| {
+                format!("($1, $2, ${p}, $3, ${}, ${})", p + 1, p + 2)
+            });
             let mut insert = sqlx::query(&sql)
                 .bind(tenant.as_str())
                 .bind(user.as_str())
@@ -175,18 +201,18 @@ ON CONFLICT (tenant, user_id) DO UPDATE SET
 RETURNING last_seq, version, last_created_at, message_count, transcript_digest
 "#;
 
-/// `INSERT … VALUES` for `rows` messages of one user: $1 tenant, $2 user_id,
-/// $3 created_at, then seq, message and digest for each row.
-fn insert_messages_sql(rows: usize) -> String {
+/// `INSERT … VALUES` for `rows` messages of one user ($1 tenant, $2
+/// user_id): `row(p)` is the tuple of one row, whose `per_row` parameters
+/// start at $p; the first row's start at $`first`.
+fn insert_sql(rows: usize, first: usize, per_row: usize, row: impl Fn(usize) -> String) -> String {
     let mut sql = String::from(
         "INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest) VALUES ",
     );
     for i in 0..rows {
-        let p = 4 + 3 * i;
         if i > 0 {
             sql.push(',');
         }
-        sql.push_str(&format!("($1, $2, ${p}, $3, ${}, ${})", p + 1, p + 2));
+        sql.push_str(&row(first + per_row * i));
     }
     sql
 }

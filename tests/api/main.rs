@@ -15,3 +15,4 @@ mod startup;
 mod store_suite;
 mod support;
 mod transcripts;
+mod transfer;
