@@ -44,7 +44,7 @@ pub enum Command {
     /// verify them. Resumable: run it again after an interruption.
     Copy(CopyArgs),
     /// Write histories from DATABASE_URL to stdout as NDJSON: a header line,
-    /// then one line per message.
+    /// a line per message, a line of counters per user, an end line.
     Export(ExportArgs),
     /// Read an export from stdin into DATABASE_URL, one user per transaction.
     Import(ImportArgs),

@@ -132,6 +132,16 @@ impl Serialize for Timestamp {
     }
 }
 
+/// An RFC 3339 time, as `Timestamp` serializes (exports carry them).
+impl<'de> serde::Deserialize<'de> for Timestamp {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        DateTime::parse_from_rfc3339(&text)
+            .map(|at| Self::from_datetime(at.to_utc()))
+            .map_err(|e| serde::de::Error::custom(format!("{text:?} is not an RFC 3339 time: {e}")))
+    }
+}
+
 /// A message as the caller wrote it, checked and serialised once: `body` is
 /// its JSON text (keys in a canonical order, numbers exactly as written), so
 /// two messages are equal JSON values exactly when their bodies are equal,

@@ -9,8 +9,10 @@
 //!   compared: counters, message count, last `seq`, and a digest of every
 //!   message's `seq`, `created_at` and body.
 //! - **export** writes NDJSON: a header line with the format's version, then
-//!   one line per message, ordered by tenant, user and `seq`.
-//! - **import** reads that back, one user per transaction of the target.
+//!   one line per message, ordered by tenant, user and `seq`, a line with
+//!   each user's counters after its messages, and an end line with totals.
+//! - **import** reads that back, one user per transaction of the target,
+//!   each committed only once its counters line has been read and checked.
 //!
 //! Both stream in bounded batches: memory does not grow with the data.
 
@@ -20,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
@@ -210,6 +212,8 @@ struct StoreRows<'a> {
     after_key: String,
     messages_done: bool,
     keys_done: bool,
+    /// Messages of the current user read so far.
+    user_messages: i64,
     users: u64,
     messages: u64,
     keys: u64,
@@ -235,6 +239,7 @@ impl<'a> StoreRows<'a> {
             after_key: String::new(),
             messages_done: false,
             keys_done: false,
+            user_messages: 0,
             users: 0,
             messages: 0,
             keys: 0,
@@ -260,6 +265,7 @@ impl UserRows for StoreRows<'_> {
         };
         let key = (user.tenant.clone(), user.user_id.clone());
         (self.after_seq, self.messages_done, self.keys_done) = (0, false, false);
+        self.user_messages = 0;
         self.after_key.clear();
         self.user = Some(user);
         self.users += 1;
@@ -285,6 +291,7 @@ impl UserRows for StoreRows<'_> {
             self.after_seq = last.seq;
         }
         self.messages += batch.len() as u64;
+        self.user_messages += i64::try_from(batch.len()).unwrap_or(i64::MAX);
         self.progress.add(batch.len() as u64);
         Ok(batch)
     }
@@ -306,8 +313,22 @@ impl UserRows for StoreRows<'_> {
         Ok(batch)
     }
 
+    /// The row read with the page of users, if the source still holds it
+    /// and it agrees with the messages read since: a user that changed
+    /// meanwhile fails the copy (and its target transaction) rather than
+    /// arrive with counters that do not fit its messages.
     async fn user(&mut self) -> Result<UserRecord, StoreError> {
-        self.current().cloned()
+        let user = self.current()?.clone();
+        let now = self.from.user_record(&user.tenant, &user.user_id).await?;
+        let fits = user.message_count == self.user_messages && self.after_seq <= user.last_seq;
+        if now.as_ref() != Some(&user) || !fits {
+            return Err(StoreError::Input(format!(
+                "{} changed in the source while it was copied; stop what writes to the source \
+                 and run the copy again (what was copied stays, and is skipped)",
+                name(&user.tenant, &user.user_id)
+            )));
+        }
+        Ok(user)
     }
 }
 
@@ -393,8 +414,27 @@ pub struct ExportSummary {
     pub messages: u64,
 }
 
-/// Writes the header line, then every message of `tenant` (or of every
-/// tenant), or of one `user` of it, one line each.
+/// The counters an export carries for each user, on the line after its
+/// messages, so that an import keeps them (`seq` and `version` never
+/// repeat) and knows the user is complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct UserLine {
+    last_seq: i64,
+    version: i64,
+    message_count: i64,
+    last_created_at: Timestamp,
+}
+
+/// The last line of an export: without it, the file was cut short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct EndLine {
+    users: u64,
+    messages: u64,
+}
+
+/// Writes the header line; then for every user of `tenant` (or of every
+/// tenant), or for one `user` of it: a line per message, then a line with
+/// the user's counters; then the end line with the totals.
 pub async fn export(
     store: &dyn Store,
     tenant: Option<&str>,
@@ -423,12 +463,12 @@ pub async fn export(
         let Some(last) = page.last() else { break };
         after = Some((last.tenant.clone(), last.user_id.clone()));
         for record in &page {
-            let (tenant_json, user_json) = (
+            let who = format!(
+                r#""tenant":{},"user_id":{}"#,
                 serde_json::to_string(&record.tenant).unwrap_or_default(),
                 serde_json::to_string(&record.user_id).unwrap_or_default(),
             );
             let mut after_seq = 0;
-            let mut any = false;
             loop {
                 let batch = store
                     .dump_messages(
@@ -438,25 +478,45 @@ pub async fn export(
                         MESSAGES_PER_BATCH,
                     )
                     .await?;
-                let Some(last) = batch.last() else { break };
-                after_seq = last.seq;
                 for row in &batch {
                     writeln!(
                         out,
-                        r#"{{"tenant":{tenant_json},"user_id":{user_json},"seq":{},"created_at":"{}","message":{}}}"#,
+                        r#"{{{who},"seq":{},"created_at":"{}","message":{}}}"#,
                         row.seq, row.created_at, row.message
                     )?;
                 }
-                any = true;
                 summary.messages += batch.len() as u64;
                 progress.add(batch.len() as u64);
+                match batch.last() {
+                    Some(last) if batch.len() == MESSAGES_PER_BATCH as usize => {
+                        after_seq = last.seq;
+                    }
+                    _ => break,
+                }
             }
-            summary.users += u64::from(any);
+            let counters = UserLine {
+                last_seq: record.last_seq,
+                version: record.version,
+                message_count: record.message_count,
+                last_created_at: record.last_created_at,
+            };
+            let counters = serde_json::to_string(&counters).unwrap_or_default();
+            writeln!(out, r#"{{{who},"user":{counters}}}"#)?;
+            summary.users += 1;
         }
         if user.is_some() {
             break;
         }
     }
+    let end = EndLine {
+        users: summary.users,
+        messages: summary.messages,
+    };
+    writeln!(
+        out,
+        r#"{{"end":{}}}"#,
+        serde_json::to_string(&end).unwrap_or_default()
+    )?;
     out.flush()?;
     progress.finish();
     Ok(summary)
@@ -471,15 +531,17 @@ pub struct ImportSummary {
     pub messages_imported: u64,
 }
 
-/// One message line of an export.
+/// Any line of an export after the header, before it is told apart.
 #[derive(Deserialize)]
 struct Line<'a> {
-    tenant: String,
-    user_id: String,
-    seq: i64,
-    created_at: String,
+    tenant: Option<String>,
+    user_id: Option<String>,
+    seq: Option<i64>,
+    created_at: Option<String>,
     #[serde(borrow)]
-    message: &'a RawValue,
+    message: Option<&'a RawValue>,
+    user: Option<UserLine>,
+    end: Option<EndLine>,
 }
 
 #[derive(Deserialize)]
@@ -488,21 +550,26 @@ struct Header {
     version: u64,
 }
 
-/// A message line, checked.
+/// A line of an export, checked on its own.
+enum Item {
+    Message(MessageRecord),
+    User(UserLine),
+    End(EndLine),
+}
+
 struct Parsed {
     line: u64,
     tenant: String,
     user_id: String,
-    record: MessageRecord,
+    item: Item,
 }
 
-/// The lines of an export, one at a time, each checked on its own and
-/// against the line before it.
+/// The lines of an export, one at a time, each checked on its own.
 struct Lines<R> {
     input: R,
     number: u64,
     buffer: String,
-    /// The next user's first line, read while finishing the one before.
+    /// A line read ahead: the next user's first, or the end line.
     pending: Option<Parsed>,
 }
 
@@ -556,142 +623,200 @@ impl<R: BufRead> Lines<R> {
         Ok(())
     }
 
-    /// The next message line, checked on its own, or `None` at the end.
-    fn next(&mut self) -> Result<Option<Parsed>, TransferError> {
+    /// The next line, checked on its own. The input ending is an error:
+    /// an export ends with its end line, which is never read past.
+    fn next(&mut self) -> Result<Parsed, TransferError> {
         if let Some(parsed) = self.pending.take() {
-            return Ok(Some(parsed));
+            return Ok(parsed);
         }
         let number = self.number + 1;
         let Some(text) = self.read()? else {
-            return Ok(None);
+            return Err(TransferError::Line {
+                line: number,
+                message: "the input ends before the export's end line: it was cut short".into(),
+            });
         };
-        let line: Line = serde_json::from_str(text).map_err(|e| TransferError::Line {
-            line: number,
-            message: if e.is_eof() {
-                "the line is cut short (a truncated file?)".into()
-            } else {
-                format!("not a message line of an export: {e}")
-            },
-        })?;
         let bad = |message: String| TransferError::Line {
             line: number,
             message,
         };
-        if line.tenant.is_empty() {
-            return Err(bad("tenant must not be empty".into()));
-        }
-        UserId::parse(line.user_id.as_str()).map_err(|e| bad(e.0))?;
-        if line.seq < 1 {
-            return Err(bad(format!("seq must be at least 1; got {}", line.seq)));
-        }
-        let created_at = chrono::DateTime::parse_from_rfc3339(&line.created_at).map_err(|e| {
-            bad(format!(
-                "created_at {:?} is not an RFC 3339 time: {e}",
-                line.created_at
-            ))
-        })?;
-        let message = NewMessage::from_raw(line.message, "message").map_err(|e| {
-            bad(match e {
-                BodyError::Malformed(text) => text,
-                BodyError::Invalid(invalid) => invalid.0,
-                BodyError::TooMany(n) => format!("{n} messages where one was expected"),
+        let line: Line = serde_json::from_str(text).map_err(|e| {
+            bad(if e.is_eof() {
+                "the line is cut short (a truncated file?)".into()
+            } else {
+                format!("not a line of an export: {e}")
             })
         })?;
-        Ok(Some(Parsed {
+        if let Some(end) = line.end {
+            return Ok(Parsed {
+                line: number,
+                tenant: String::new(),
+                user_id: String::new(),
+                item: Item::End(end),
+            });
+        }
+        let (Some(tenant), Some(user_id)) = (line.tenant, line.user_id) else {
+            return Err(bad(
+                "a line of an export names its tenant and user_id".into()
+            ));
+        };
+        if tenant.is_empty() {
+            return Err(bad("tenant must not be empty".into()));
+        }
+        UserId::parse(user_id.as_str()).map_err(|e| bad(e.0))?;
+        let item = match (line.user, line.seq, line.created_at, line.message) {
+            (Some(user), None, None, None) => Item::User(user),
+            (None, Some(seq), Some(created_at), Some(message)) => {
+                if seq < 1 {
+                    return Err(bad(format!("seq must be at least 1; got {seq}")));
+                }
+                let created_at =
+                    chrono::DateTime::parse_from_rfc3339(&created_at).map_err(|e| {
+                        bad(format!(
+                            "created_at {created_at:?} is not an RFC 3339 time: {e}"
+                        ))
+                    })?;
+                let message = NewMessage::from_raw(message, "message").map_err(|e| {
+                    bad(match e {
+                        BodyError::Malformed(text) => text,
+                        BodyError::Invalid(invalid) => invalid.0,
+                        BodyError::TooMany(n) => format!("{n} messages where one was expected"),
+                    })
+                })?;
+                Item::Message(MessageRecord {
+                    seq,
+                    created_at: Timestamp::from_datetime(created_at.to_utc()),
+                    digest: message.digest().to_vec(),
+                    message: message.body().to_owned(),
+                })
+            }
+            _ => {
+                return Err(bad(
+                    "neither a message line (seq, created_at, message) nor a user line (user)"
+                        .into(),
+                ))
+            }
+        };
+        Ok(Parsed {
             line: number,
-            tenant: line.tenant,
-            user_id: line.user_id,
-            record: MessageRecord {
-                seq: line.seq,
-                created_at: Timestamp::from_datetime(created_at.to_utc()),
-                digest: message.digest().to_vec(),
-                message: message.body().to_owned(),
-            },
-        }))
+            tenant,
+            user_id,
+            item,
+        })
     }
 }
 
-/// One user's lines of an import, as [`Store::load_user`] asks for them:
-/// up to the first line of the next user, which is kept for it.
+/// One user's lines of an import, as [`Store::load_users`] asks for them:
+/// its messages, each checked against the one before, up to its user line.
 struct ImportRows<'a, R> {
     lines: &'a mut Lines<R>,
     tenant: String,
     user_id: String,
-    first: Option<Parsed>,
     hasher: Hasher,
     first_created_at: Option<Timestamp>,
     last_created_at: Timestamp,
+    /// The user line, once read, and its number.
+    counters: Option<(u64, UserLine)>,
     progress: &'a mut Progress,
     started: bool,
 }
 
 impl<R: BufRead + Send> ImportRows<'_, R> {
-    /// The user's next line, checked against the one before; `None` once
-    /// the next user's begins.
-    fn next(&mut self) -> Result<Option<Parsed>, TransferError> {
-        let Some(parsed) = self
-            .first
-            .take()
-            .map(Ok)
-            .or_else(|| self.lines.next().transpose())
-        else {
+    /// The user's next message; `None` once its user line has been read.
+    fn next(&mut self) -> Result<Option<MessageRecord>, TransferError> {
+        if self.counters.is_some() {
             return Ok(None);
-        };
-        let parsed = parsed?;
-        if (parsed.tenant.as_str(), parsed.user_id.as_str())
-            != (self.tenant.as_str(), self.user_id.as_str())
-        {
-            let order = (parsed.tenant.as_str(), parsed.user_id.as_str())
-                .cmp(&(self.tenant.as_str(), self.user_id.as_str()));
-            if order.is_lt() {
+        }
+        let parsed = self.lines.next()?;
+        let same = (parsed.tenant.as_str(), parsed.user_id.as_str())
+            == (self.tenant.as_str(), self.user_id.as_str());
+        let record = match parsed.item {
+            Item::Message(record) if same => record,
+            Item::User(counters) if same => {
+                self.counters = Some((parsed.line, counters));
+                return Ok(None);
+            }
+            _ => {
                 return Err(TransferError::Line {
                     line: parsed.line,
                     message: format!(
-                        "{} comes after {}: an export lists users in order of tenant, then \
-                         user_id (by their bytes), each user's lines together",
-                        name(&parsed.tenant, &parsed.user_id),
+                        "{} has no user line after its messages: the file is not an export, or \
+                         its lines were reordered",
                         name(&self.tenant, &self.user_id)
                     ),
-                });
+                })
             }
-            self.lines.pending = Some(parsed);
-            return Ok(None);
-        }
-        if self.hasher.count > 0 && parsed.record.seq <= self.hasher.last_seq {
+        };
+        if self.hasher.count > 0 && record.seq <= self.hasher.last_seq {
             return Err(TransferError::Line {
                 line: parsed.line,
                 message: format!(
                     "seq {} does not come after seq {} of the line before",
-                    parsed.record.seq, self.hasher.last_seq
+                    record.seq, self.hasher.last_seq
                 ),
             });
         }
-        if parsed.record.created_at < self.last_created_at {
+        if record.created_at < self.last_created_at {
             return Err(TransferError::Line {
                 line: parsed.line,
                 message: format!(
                     "created_at {} is before {} of the line before: within one user, later seqs \
                      are never older",
-                    parsed.record.created_at, self.last_created_at
+                    record.created_at, self.last_created_at
                 ),
             });
         }
-        self.hasher.add(
-            parsed.record.seq,
-            parsed.record.created_at,
-            &parsed.record.message,
-        );
-        self.first_created_at
-            .get_or_insert(parsed.record.created_at);
-        self.last_created_at = parsed.record.created_at;
+        self.hasher
+            .add(record.seq, record.created_at, &record.message);
+        self.first_created_at.get_or_insert(record.created_at);
+        self.last_created_at = record.created_at;
         self.progress.add(1);
-        Ok(Some(parsed))
+        Ok(Some(record))
     }
 
     /// Reads the rest of the user's lines, keeping none of them.
     fn skip_rest(&mut self) -> Result<(), TransferError> {
         while self.next()?.is_some() {}
         Ok(())
+    }
+
+    /// The user's row, from its user line, which must agree with its messages.
+    fn record(&self) -> Result<UserRecord, TransferError> {
+        let Some((line, counters)) = self.counters else {
+            return Err(TransferError::Line {
+                line: self.lines.number,
+                message: "the user's row was asked for before its user line".into(),
+            });
+        };
+        let bad = |message: String| TransferError::Line { line, message };
+        if counters.message_count != i64::try_from(self.hasher.count).unwrap_or(i64::MAX) {
+            return Err(bad(format!(
+                "the user line says {} messages; {} came before it",
+                counters.message_count, self.hasher.count
+            )));
+        }
+        if counters.last_seq < self.hasher.last_seq || counters.version < 1 {
+            return Err(bad(format!(
+                "the user line's last_seq {} and version {} cannot follow seq {}",
+                counters.last_seq, counters.version, self.hasher.last_seq
+            )));
+        }
+        if counters.last_created_at < self.last_created_at {
+            return Err(bad(format!(
+                "the user line's last_created_at {} is before its newest message's",
+                counters.last_created_at
+            )));
+        }
+        Ok(UserRecord {
+            tenant: self.tenant.clone(),
+            user_id: self.user_id.clone(),
+            last_seq: counters.last_seq,
+            version: counters.version,
+            message_count: counters.message_count,
+            last_created_at: counters.last_created_at,
+            oldest_at: self.first_created_at,
+            transcript_digest: None,
+        })
     }
 }
 
@@ -714,7 +839,7 @@ impl<R: BufRead + Send> UserRows for ImportRows<'_, R> {
         let mut batch = Vec::new();
         while batch.len() < MESSAGES_PER_BATCH as usize {
             match self.next().map_err(input_error)? {
-                Some(parsed) => batch.push(parsed.record),
+                Some(record) => batch.push(record),
                 None => break,
             }
         }
@@ -725,21 +850,8 @@ impl<R: BufRead + Send> UserRows for ImportRows<'_, R> {
         Ok(Vec::new())
     }
 
-    /// The row an import gives a user: counters from its messages, and
-    /// `version` equal to its last `seq` (the export does not carry it;
-    /// this is never less than the number of writes that made the history).
     async fn user(&mut self) -> Result<UserRecord, StoreError> {
-        let last_seq = self.hasher.last_seq;
-        Ok(UserRecord {
-            tenant: self.tenant.clone(),
-            user_id: self.user_id.clone(),
-            last_seq,
-            version: last_seq,
-            message_count: i64::try_from(self.hasher.count).unwrap_or(i64::MAX),
-            last_created_at: self.last_created_at,
-            oldest_at: self.first_created_at,
-            transcript_digest: None,
-        })
+        self.record().map_err(input_error)
     }
 }
 
@@ -765,21 +877,54 @@ pub async fn import(
     let target_had_data = !store.dump_users(None, None, 1).await?.is_empty();
     progress.start("import", None);
     let mut summary = ImportSummary::default();
-    while let Some(first) = lines.next()? {
-        let (line, tenant, user_id) = (first.line, first.tenant.clone(), first.user_id.clone());
+    let (mut users, mut messages) = (0_u64, 0_u64);
+    let mut previous: Option<(String, String)> = None;
+    loop {
+        let first = lines.next()?;
+        let line = first.line;
+        if let Item::End(end) = first.item {
+            if end != (EndLine { users, messages }) {
+                return Err(TransferError::Line {
+                    line,
+                    message: format!(
+                        "the end line counts {} users and {} messages; the file holds {users} \
+                         and {messages}",
+                        end.users, end.messages
+                    ),
+                });
+            }
+            break;
+        }
+        let (tenant, user_id) = (first.tenant.clone(), first.user_id.clone());
+        if let Some((t, u)) = &previous {
+            if (tenant.as_str(), user_id.as_str()) <= (t.as_str(), u.as_str()) {
+                return Err(TransferError::Line {
+                    line,
+                    message: format!(
+                        "{} comes after {}: an export lists each user's lines together, in \
+                         order of tenant, then user_id (by their bytes)",
+                        name(&tenant, &user_id),
+                        name(t, u)
+                    ),
+                });
+            }
+        }
+        previous = Some((tenant.clone(), user_id.clone()));
+        lines.pending = Some(first);
         let mut rows = ImportRows {
             lines: &mut lines,
             tenant: tenant.clone(),
             user_id: user_id.clone(),
-            first: Some(first),
             hasher: Hasher::new(),
             first_created_at: None,
             last_created_at: Timestamp::from_micros(i64::MIN),
+            counters: None,
             progress: &mut *progress,
             started: false,
         };
         if store.user_record(&tenant, &user_id).await?.is_some() {
             rows.skip_rest()?;
+            rows.record()?;
             let given = std::mem::replace(&mut rows.hasher, Hasher::new()).digest();
             let held = UserDigest::of(store, &tenant, &user_id).await?;
             if given != held {
@@ -792,6 +937,8 @@ pub async fn import(
                     ),
                 });
             }
+            users += 1;
+            messages += given.count;
             summary.users_unchanged += 1;
             continue;
         }
@@ -807,6 +954,8 @@ pub async fn import(
         }
         match store.load_users(&mut rows).await {
             Ok(()) => {
+                users += 1;
+                messages += rows.hasher.count;
                 summary.users_imported += 1;
                 summary.messages_imported += rows.hasher.count;
             }
@@ -934,7 +1083,23 @@ pub async fn run_copy(args: CopyArgs, config: Config) -> Result<(), StartError> 
     if args.from.redacted() == args.to.redacted() {
         return Err("--from and --to name the same store".into());
     }
-    let from = open(&args.from, "--from", &config).await?;
+    if let Some(path) = args.from.sqlite_path() {
+        if !std::path::Path::new(&path).exists() {
+            return Err(format!("--from {}: there is no such SQLite file", args.from).into());
+        }
+    }
+    let from = crate::store::connect(&args.from, config.connect_options())
+        .await
+        .map_err(|e| format!("--from {}: {}", args.from, crate::error::error_chain(&e)))?;
+    if from
+        .totals()
+        .await
+        .map_err(|e| format!("--from {}: {}", args.from, crate::error::error_chain(&e)))?
+        .0
+        == 0
+    {
+        return Err(format!("--from {} holds no users: nothing to copy", args.from).into());
+    }
     let to = open(&args.to, "--to", &config).await?;
     let started = Instant::now();
     let summary = copy(

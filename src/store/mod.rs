@@ -58,6 +58,10 @@ pub enum StoreError {
     /// say); the load it fed changed nothing.
     #[error("{0}")]
     Input(String),
+    /// A retention run lost its lease to another replica after deleting
+    /// this many messages; never seen outside the store.
+    #[error("the retention lease was lost")]
+    LeaseLost(u64),
 }
 
 impl From<sqlx::migrate::MigrateError> for StoreError {

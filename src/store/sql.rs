@@ -341,7 +341,7 @@ where
 
     /// Deletes the tenant's messages created before `cutoff`, a bounded batch
     /// of users and rows per write. With a `lease` (the retention run's) each
-    /// batch first renews it, and the purge stops once it is lost.
+    /// batch first renews it, and the purge ends with `LeaseLost` once it is lost.
     async fn purge_before(
         &self,
         tenant: &Tenant,
@@ -353,7 +353,7 @@ where
             let mut tx = self.write().await?;
             if let Some(clock) = lease {
                 if !self.renew_lease(&mut tx, clock).await? {
-                    return Ok(total);
+                    return Err(StoreError::LeaseLost(total));
                 }
             }
             let users: Vec<String> = self
@@ -404,9 +404,18 @@ where
             let tenants: Vec<String> = self.scalar(TENANTS).fetch_all(session.conn()).await?;
             session.done().await?;
             for tenant in tenants {
-                report.messages += self
+                match self
                     .purge_before(&Tenant::new(tenant), cutoff, Some(clock))
-                    .await?;
+                    .await
+                {
+                    Ok(purged) => report.messages += purged,
+                    // Another replica has the lease now: the run ends here.
+                    Err(StoreError::LeaseLost(purged)) => {
+                        report.messages += purged;
+                        return Ok(report);
+                    }
+                    Err(other) => return Err(other),
+                }
             }
         }
         let keys_cutoff = clock.at.minus_seconds(keys_ttl.as_secs());
@@ -1026,6 +1035,12 @@ where
         let mut tx = self.write().await?;
         while let Some((tenant, user)) = rows.next_user().await? {
             let tenant = Tenant::new(tenant);
+            // The user's row first, as every write locks it before touching
+            // its messages; its real values once they are all known.
+            self.user(LOAD_USER, &tenant, &user)
+                .bind(Timestamp::from_micros(0))
+                .execute(&mut *tx)
+                .await?;
             loop {
                 let batch = rows.messages().await?;
                 if batch.is_empty() {
@@ -1051,7 +1066,7 @@ where
                 }
             }
             let record = rows.user().await?;
-            self.user(LOAD_USER, &tenant, &user)
+            self.user(FINISH_LOAD, &tenant, &user)
                 .bind(record.last_seq)
                 .bind(record.version)
                 .bind(record.message_count)
@@ -1264,6 +1279,7 @@ SELECT u.user_id, u.message_count,
      ORDER BY seq DESC LIMIT 1) AS newest_at
 FROM chat_users u
 WHERE u.tenant = $1 AND u.user_id > $2 AND u.message_count > 0
+  AND EXISTS (SELECT 1 FROM chat_messages m WHERE m.tenant = u.tenant AND m.user_id = u.user_id)
 ORDER BY u.user_id LIMIT $3
 "#;
 
@@ -1295,10 +1311,15 @@ WHERE tenant = $1 AND user_id = $2 AND key > $3
 ORDER BY key LIMIT $4
 "#;
 
-const LOAD_USER: &str = r#"
-INSERT INTO chat_users (tenant, user_id, last_seq, version, message_count, last_created_at,
-                        oldest_at, transcript_digest)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+/// A loaded user's row before its messages: fails if the user exists.
+const LOAD_USER: &str = "INSERT INTO chat_users
+    (tenant, user_id, last_seq, version, message_count, last_created_at)
+    VALUES ($1, $2, 0, 0, 0, $3)";
+
+const FINISH_LOAD: &str = r#"
+UPDATE chat_users SET last_seq = $3, version = $4, message_count = $5, last_created_at = $6,
+    oldest_at = $7, transcript_digest = $8
+WHERE tenant = $1 AND user_id = $2
 "#;
 
 const TOTALS: &str =

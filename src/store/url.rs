@@ -103,6 +103,15 @@ impl DatabaseUrl {
         self.expose().starts_with("sqlite:")
     }
 
+    /// The file of an SQLite URL (`sqlite://PATH`, `sqlite:PATH`), without
+    /// its `?…` options; `None` for other URLs and in-memory databases.
+    pub fn sqlite_path(&self) -> Option<String> {
+        let rest = self.expose().strip_prefix("sqlite:")?;
+        let rest = rest.strip_prefix("//").unwrap_or(rest);
+        let path = rest.split_once('?').map_or(rest, |(path, _)| path);
+        (!path.is_empty() && !path.starts_with(":memory:")).then(|| path.to_owned())
+    }
+
     /// The URL for sqlx's Postgres driver, without the parameters it does
     /// not know, and the names of those (never their values) for a warning.
     /// `pool_mode` is ours: it says how a pooler between us and Postgres

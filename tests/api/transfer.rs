@@ -156,25 +156,23 @@ async fn all_users(store: &dyn Store) -> Vec<chat_history::store::UserRecord> {
 }
 
 /// Asserts that `a` and `b` hold the same users, each with the same row
-/// (`counters`: all of it, else all but `version` and `transcript_digest`,
-/// and only users with messages), the same messages, byte for byte, and
+/// (`counters`: all of it, else all but `oldest_at`, which an import
+/// takes from the first message, and `transcript_digest`, which it does
+/// not carry), the same messages, byte for byte, and
 /// (`counters`) the same keys. Says how many messages it compared.
 async fn assert_same(a: &dyn Store, b: &dyn Store, counters: bool) -> u64 {
-    let (mut users_a, mut users_b) = (all_users(a).await, all_users(b).await);
-    if !counters {
-        users_a.retain(|u| u.message_count > 0);
-        users_b.retain(|u| u.message_count > 0);
-    }
+    let (users_a, users_b) = (all_users(a).await, all_users(b).await);
     assert_eq!(users_a.len(), users_b.len());
     let mut messages = 0;
     for (ua, ub) in users_a.iter().zip(&users_b) {
         if counters {
             assert_eq!(ua, ub);
         } else {
-            assert_eq!(
-                (&ua.tenant, &ua.user_id, ua.last_seq, ua.message_count),
-                (&ub.tenant, &ub.user_id, ub.last_seq, ub.message_count)
-            );
+            let row = |u: &chat_history::store::UserRecord| {
+                let counters = (u.last_seq, u.version, u.message_count, u.last_created_at);
+                (u.tenant.clone(), u.user_id.clone(), counters)
+            };
+            assert_eq!(row(ua), row(ub));
         }
         let mut seq = 0;
         loop {
@@ -300,10 +298,7 @@ async fn round_trips_keep_every_message_exactly() {
     let again = transfer::import(imported.as_ref(), &file[..], false, &mut Progress::silent())
         .await
         .unwrap();
-    assert_eq!(
-        (again.users_imported, again.users_unchanged),
-        (0, users - 1)
-    );
+    assert_eq!((again.users_imported, again.users_unchanged), (0, users));
     // And exporting what was imported gives the same file back, byte for byte.
     let mut file_again = Vec::new();
     transfer::export(
@@ -331,7 +326,7 @@ async fn round_trips_keep_every_message_exactly() {
     .await
     .unwrap();
     assert_eq!((summary.users, summary.messages), (1, 3));
-    assert_eq!(String::from_utf8(one).unwrap().lines().count(), 4);
+    assert_eq!(String::from_utf8(one).unwrap().lines().count(), 6);
 }
 
 async fn seeded(backend: Backend, users: &[(&str, &str)]) -> (TestDb, Arc<dyn Store>) {
@@ -461,6 +456,17 @@ fn export_file<S: AsRef<str>>(lines: &[S]) -> Vec<u8> {
     text.into_bytes()
 }
 
+/// The line after a user's messages: `messages` of them, up to `last_seq`.
+fn user_line(user: &str, messages: i64, last_seq: i64) -> String {
+    format!(
+        r#"{{"tenant":"default","user_id":"{user}","user":{{"last_seq":{last_seq},"version":{last_seq},"message_count":{messages},"last_created_at":"2026-01-01T00:00:0{last_seq}Z"}}}}"#
+    )
+}
+
+fn end_line(users: u64, messages: u64) -> String {
+    format!(r#"{{"end":{{"users":{users},"messages":{messages}}}}}"#)
+}
+
 fn line(user: &str, seq: i64, message: &str) -> String {
     format!(
         r#"{{"tenant":"default","user_id":"{user}","seq":{seq},"created_at":"2026-01-01T00:00:0{seq}Z","message":{message}}}"#
@@ -471,7 +477,8 @@ fn line(user: &str, seq: i64, message: &str) -> String {
 /// to gets nothing, the users before it are imported whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn import_names_the_bad_line_and_leaves_nothing_half_imported() {
-    let good = line("a", 1, r#"{"role":"user"}"#);
+    let a1 = line("a", 1, r#"{"role":"user"}"#);
+    let a = user_line("a", 1, 1);
     let b1 = line("b", 1, r#"{"role":"user"}"#);
     let b2 = line("b", 2, r#"{"role":"user","content":"x"}"#);
     let cases: Vec<(&str, Vec<u8>, u64, &str)> = vec![
@@ -485,24 +492,42 @@ async fn import_names_the_bad_line_and_leaves_nothing_half_imported() {
         (
             "truncated line",
             {
-                let mut file = export_file(&[&good, &b1]);
+                let mut file = export_file(&[&a1, &a, &b1]);
                 file.extend_from_slice(&b2.as_bytes()[..b2.len() - 9]);
                 file
             },
-            4,
+            5,
+            "cut short",
+        ),
+        (
+            "truncated between lines",
+            export_file(&[&a1, &a, &b1, &b2]),
+            6,
             "cut short",
         ),
         (
             "invalid message",
-            export_file(&[&good, &b1, &line("b", 2, r#"{"content":"no role"}"#)]),
-            4,
+            export_file(&[&a1, &a, &b1, &line("b", 2, r#"{"content":"no role"}"#)]),
+            5,
             "role",
         ),
         (
             "seq backwards",
-            export_file(&[&good, &b2, &line("b", 1, r#"{"role":"user"}"#)]),
-            4,
+            export_file(&[&a1, &a, &b2, &line("b", 1, r#"{"role":"user"}"#)]),
+            5,
             "seq 1 does not come after seq 2",
+        ),
+        (
+            "a user's lines apart",
+            export_file(&[&a1, &a, &b1, &line("c", 1, r#"{"role":"user"}"#)]),
+            5,
+            "no user line",
+        ),
+        (
+            "counters that do not fit",
+            export_file(&[&a1, &a, &b1, &b2, &user_line("b", 3, 2)]),
+            6,
+            "says 3 messages",
         ),
     ];
     for (case, file, bad_line, says) in cases {
@@ -536,7 +561,11 @@ async fn import_names_the_bad_line_and_leaves_nothing_half_imported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn import_takes_the_merge_rule() {
     let (_db, store) = seeded(Backend::Postgres, &[("held", "hi")]).await;
-    let file = export_file(&[&line("new", 1, r#"{"role":"user"}"#)]);
+    let file = export_file(&[
+        line("new", 1, r#"{"role":"user"}"#),
+        user_line("new", 1, 1),
+        end_line(1, 1),
+    ]);
     let refused = transfer::import(store.as_ref(), &file[..], false, &mut Progress::silent()).await;
     assert!(
         matches!(&refused, Err(TransferError::Line { line: 2, message }) if message.contains("--merge")),
@@ -547,7 +576,11 @@ async fn import_takes_the_merge_rule() {
         .await
         .unwrap();
     assert_eq!(merged.users_imported, 1);
-    let clash = export_file(&[&line("held", 1, r#"{"role":"user","content":"other"}"#)]);
+    let clash = export_file(&[
+        line("held", 1, r#"{"role":"user","content":"other"}"#),
+        user_line("held", 1, 1),
+        end_line(1, 1),
+    ]);
     let refused = transfer::import(store.as_ref(), &clash[..], true, &mut Progress::silent()).await;
     assert!(
         matches!(&refused, Err(TransferError::Line { line: 2, message }) if message.contains("other messages")),
