@@ -62,6 +62,9 @@ pub async fn serve(config: Config) -> Result<(), StartError> {
         limits,
         access: Arc::new(access),
     };
+    // The recorder before the retention task, whose first run starts at
+    // once: counted before it is installed, a run would go unrecorded.
+    crate::telemetry::metrics();
     let shutdown = CancellationToken::new();
     let retention = cleanup::spawn(
         store.clone(),
