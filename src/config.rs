@@ -93,6 +93,7 @@ pub mod maximum {
     pub const MAX_BODY_BYTES: usize = 1 << 30;
     pub const MAX_IN_FLIGHT_BODY_BYTES: usize = 64 << 30;
     pub const DB_MAX_CONNECTIONS: u64 = 1_000;
+    pub const COMMIT_BATCH: u64 = 10_000;
     pub const MAX_CONNECTIONS: u64 = 1_000_000;
     pub const MAX_IN_FLIGHT: u64 = 1_000_000;
     /// Retention and the default window: a century.
@@ -307,6 +308,18 @@ pub struct Config {
     )]
     pub db_max_connections: Count,
 
+    /// Appends written in one shared commit, at most (at most 10000). Appends
+    /// that arrive while a commit is in flight share the next one; 1 commits
+    /// each append alone.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_COMMIT_BATCH",
+        default_value = "256",
+        value_parser = Count::parser(maximum::COMMIT_BATCH),
+        global = true
+    )]
+    pub commit_batch: Count,
+
     /// API keys, comma-separated `tenant:role:key` entries (role `user` or
     /// `admin`). With keys, every /v1 request needs `Authorization: Bearer <key>`.
     #[arg(
@@ -367,6 +380,7 @@ impl fmt::Debug for Config {
             .field("max_connections", &self.max_connections)
             .field("max_in_flight", &self.max_in_flight)
             .field("db_max_connections", &self.db_max_connections)
+            .field("commit_batch", &self.commit_batch)
             .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
             .field("api_keys_file", &self.api_keys_file)
             .field("allow_unauthenticated", &self.allow_unauthenticated)
@@ -452,6 +466,7 @@ impl Config {
     pub fn connect_options(&self) -> ConnectOptions {
         ConnectOptions {
             max_connections: u32::try_from(self.db_max_connections.0).unwrap_or(u32::MAX),
+            commit_batch: to_usize(self.commit_batch.0),
             ..ConnectOptions::default()
         }
     }
@@ -700,6 +715,7 @@ mod tests {
             ("--max-body-bytes", "2GiB"),
             ("--max-in-flight-body-bytes", "65GiB"),
             ("--db-max-connections", "1001"),
+            ("--commit-batch", "10001"),
             ("--max-connections", "1000001"),
             ("--max-in-flight", "1000001"),
             ("--retention", "101years"),

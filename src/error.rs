@@ -121,7 +121,7 @@ impl IntoResponse for ApiError {
 
 fn store_error_response(error: &StoreError) -> Response {
     match error {
-        StoreError::Unavailable(_) | StoreError::NotMigrated { .. } => {
+        StoreError::Unavailable(_) | StoreError::Shared(_) | StoreError::NotMigrated { .. } => {
             tracing::warn!(error = %error_chain(error), "database unavailable");
             let mut response = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -9,6 +9,7 @@
 //! - within one user `created_at` never decreases as `seq` grows, which lets
 //!   every read walk the primary key and stay O(rows returned).
 
+mod commit;
 mod postgres;
 mod sql;
 mod sqlite;
@@ -62,6 +63,18 @@ pub enum StoreError {
     /// this many messages; never seen outside the store.
     #[error("the retention lease was lost")]
     LeaseLost(u64),
+    /// The database went away during a commit this append shared with
+    /// others: every append of it gets this.
+    #[error("the commit this append shared failed")]
+    Shared(#[source] Arc<StoreError>),
+}
+
+impl StoreError {
+    /// The database could not be reached or is shedding load: a retry
+    /// later may work, whatever the request.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Busy(_) | Self::Shared(_))
+    }
 }
 
 impl From<sqlx::migrate::MigrateError> for StoreError {
@@ -136,6 +149,8 @@ fn row_count(n: i64) -> usize {
 pub struct ConnectOptions {
     pub max_connections: u32,
     pub acquire_timeout: Duration,
+    /// Appends written in one shared commit, at most (1: each alone).
+    pub commit_batch: usize,
 }
 
 impl Default for ConnectOptions {
@@ -143,6 +158,7 @@ impl Default for ConnectOptions {
         Self {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(5),
+            commit_batch: 256,
         }
     }
 }
@@ -454,6 +470,7 @@ pub struct TranscriptStream {
 /// can never hold every connection. A read over that waits for a slot
 /// within its deadline (readers queue no longer than a request may last,
 /// and no more of them than requests may be in flight), then gets 503.
+#[derive(Clone)]
 pub(crate) struct StreamSlots(Arc<Semaphore>);
 
 impl StreamSlots {

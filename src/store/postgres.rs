@@ -9,6 +9,7 @@
 //! transaction) and each runs inside a transaction. For the same reason the
 //! retention lock is a lease row, not a session lock, in every mode.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 
 use async_trait::async_trait;
@@ -20,8 +21,9 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{
     PgArgumentBuffer, PgConnectOptions, PgPoolOptions, PgQueryResult, PgTypeInfo, PgValueRef,
 };
-use sqlx::{Connection, Decode, Encode, PgConnection, Pool, Postgres, Type};
+use sqlx::{Connection, Decode, Encode, FromRow, PgConnection, Pool, Postgres, Type};
 
+use super::commit::Append;
 use super::sql::{Counters, Dialect, SqlStore};
 use super::{db_count, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
@@ -47,7 +49,8 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
         .max_connections(options.max_connections)
         .acquire_timeout(options.acquire_timeout)
         .connect_lazy_with(connect);
-    Ok(SqlStore::new(pool, None, prepared, options.max_connections))
+    Ok(SqlStore::new(pool, None, prepared, options.max_connections)
+        .with_committer(options.commit_batch))
 }
 
 #[async_trait]
@@ -202,6 +205,136 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .await?;
         Ok(())
     }
+
+    async fn append_many(
+        conn: &mut PgConnection,
+        prepared: bool,
+        appends: &[&Append],
+    ) -> Result<Vec<Counters>, StoreError> {
+        if let [a] = appends {
+            // One user's key: the statement Citus routes to one shard.
+            let counters =
+                Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?;
+            return Ok(vec![counters]);
+        }
+        if appends.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Each user once (its slot), its messages numbered in arrival order.
+        let mut slots: HashMap<(&str, &str), usize> = HashMap::new();
+        let mut users: Vec<Folded> = Vec::new();
+        let mut places = Vec::with_capacity(appends.len());
+        let total: usize = appends.iter().map(|a| a.messages.len()).sum();
+        let (mut message_slots, mut positions) =
+            (Vec::with_capacity(total), Vec::with_capacity(total));
+        let (mut bodies, mut digests) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        for a in appends {
+            let key = (a.tenant.as_str(), a.user.as_str());
+            let slot = *slots.entry(key).or_insert_with(|| {
+                users.push(Folded {
+                    tenant: key.0,
+                    user: key.1,
+                    messages: 0,
+                    appends: 0,
+                    at: a.now,
+                });
+                users.len() - 1
+            });
+            let user = &mut users[slot];
+            user.appends += 1;
+            user.at = user.at.max(a.now);
+            for m in &a.messages {
+                user.messages += 1;
+                message_slots.push(db_count(slot + 1));
+                positions.push(user.messages);
+                bodies.push(m.body());
+                digests.push(m.digest().to_vec());
+            }
+            places.push((slot, user.messages, user.appends));
+        }
+        let rows: Vec<FoldedCounters> = sqlx::query_as(APPEND_MANY)
+            .persistent(prepared)
+            .bind(users.iter().map(|u| u.tenant).collect::<Vec<_>>())
+            .bind(users.iter().map(|u| u.user).collect::<Vec<_>>())
+            .bind(users.iter().map(|u| u.messages).collect::<Vec<_>>())
+            .bind(users.iter().map(|u| u.appends).collect::<Vec<_>>())
+            .bind(users.iter().map(|u| u.at.to_datetime()).collect::<Vec<_>>())
+            .bind(message_slots)
+            .bind(positions)
+            .bind(bodies)
+            .bind(digests)
+            .fetch_all(conn)
+            .await?;
+        let mut by_slot: Vec<Option<FoldedCounters>> = users.iter().map(|_| None).collect();
+        for row in rows {
+            let slot = usize::try_from(row.slot - 1)
+                .ok()
+                .filter(|s| *s < users.len());
+            let slot = slot.ok_or_else(|| StoreError::Corrupt(format!("slot {}", row.slot)))?;
+            by_slot[slot] = Some(row);
+        }
+        places
+            .into_iter()
+            .map(|(slot, through, place)| {
+                let row = by_slot[slot].as_ref().ok_or_else(|| {
+                    StoreError::Corrupt("a user of the batch was not written".into())
+                })?;
+                Ok(row.of(&users[slot], through, place))
+            })
+            .collect()
+    }
+
+    async fn lock_users(
+        conn: &mut PgConnection,
+        prepared: bool,
+        users: &[(&str, &str)],
+        floor: Timestamp,
+    ) -> Result<(), StoreError> {
+        let (tenants, ids): (Vec<&str>, Vec<&str>) = users.iter().copied().unzip();
+        sqlx::query(LOCK_USERS)
+            .persistent(prepared)
+            .bind(tenants)
+            .bind(ids)
+            .bind(floor)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A user of a batch, its appends folded together.
+struct Folded<'a> {
+    tenant: &'a str,
+    user: &'a str,
+    /// Messages, and appends, of this user in the batch.
+    messages: i64,
+    appends: i64,
+    /// The latest time any of them was stamped with.
+    at: Timestamp,
+}
+
+/// The counters each append of a batch leaves, as if they had run one
+/// after another, from what one `APPEND_MANY` returned for their user:
+/// `(slot, messages through it, its place among its user's appends)`.
+#[derive(FromRow)]
+struct FoldedCounters {
+    slot: i64,
+    last_seq: i64,
+    version: i64,
+    message_count: i64,
+    last_created_at: Timestamp,
+}
+
+impl FoldedCounters {
+    fn of(&self, user: &Folded, through: i64, place: i64) -> Counters {
+        Counters {
+            last_seq: self.last_seq - user.messages + through,
+            version: self.version - user.appends + place,
+            message_count: self.message_count - user.messages + through,
+            last_created_at: self.last_created_at,
+            transcript_digest: None,
+        }
+    }
 }
 
 /// The bodies and digests of `messages`, as two parallel arrays.
@@ -235,6 +368,51 @@ WITH u AS (
     FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
 )
 SELECT last_seq, version, last_created_at, message_count, transcript_digest FROM u
+"#;
+
+/// `APPEND` for many users in one statement: `$1`..`$5` one entry per user
+/// (tenant, user, its messages, its appends, its time), `$6`..`$9` one per
+/// message (its user's slot in `$1`, from 1; its place among that user's
+/// messages, from 1; body; digest). Users are locked in key order ("C", as
+/// every key compares), so that two batches never wait for each other in a
+/// cycle; each user's counters move once, by all its appends together.
+const APPEND_MANY: &str = r#"
+WITH batch AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::timestamptz[])
+        WITH ORDINALITY AS b(tenant, user_id, n, appends, at, slot)
+), u AS (
+    INSERT INTO chat_users AS u
+        (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
+    SELECT tenant, user_id, n, appends, n, at, at FROM batch
+    ORDER BY tenant COLLATE "C", user_id COLLATE "C"
+    ON CONFLICT (tenant, user_id) DO UPDATE SET
+        last_seq = u.last_seq + EXCLUDED.last_seq,
+        version = u.version + EXCLUDED.version,
+        message_count = u.message_count + EXCLUDED.message_count,
+        transcript_digest = NULL,
+        last_created_at = GREATEST(u.last_created_at, EXCLUDED.last_created_at),
+        oldest_at = CASE WHEN u.message_count = 0
+            THEN GREATEST(u.last_created_at, EXCLUDED.last_created_at)
+            ELSE u.oldest_at END
+    RETURNING u.tenant, u.user_id, u.last_seq, u.version, u.last_created_at, u.message_count
+), placed AS (
+    SELECT b.slot, b.n, u.* FROM batch b JOIN u ON u.tenant = b.tenant AND u.user_id = b.user_id
+), inserted AS (
+    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+    SELECT p.tenant, p.user_id, p.last_seq - p.n + m.pos, p.last_created_at, m.body, m.digest
+    FROM unnest($6::bigint[], $7::bigint[], $8::text[], $9::bytea[]) AS m(slot, pos, body, digest)
+    JOIN placed p ON p.slot = m.slot
+)
+SELECT slot, last_seq, version, message_count, last_created_at FROM placed
+"#;
+
+/// `LOCK_USER` for the users `$1`/`$2`, in key order, creating missing
+/// ones with no messages at `$3`.
+const LOCK_USERS: &str = r#"
+INSERT INTO chat_users (tenant, user_id, last_seq, version, message_count, last_created_at)
+SELECT tenant, user_id, 0, 0, 0, $3 FROM unnest($1::text[], $2::text[]) AS b(tenant, user_id)
+ORDER BY tenant COLLATE "C", user_id COLLATE "C"
+ON CONFLICT (tenant, user_id) DO UPDATE SET version = chat_users.version
 "#;
 
 const INSERT_RECORDS: &str = r#"

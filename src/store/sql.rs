@@ -6,6 +6,7 @@
 //! Every write is a short transaction (`Dialect::BEGIN_WRITE`) whose first
 //! statement locks the user's row; every read sees one snapshot.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -18,6 +19,7 @@ use sqlx::{
     Type,
 };
 
+use super::commit::{Append, BatchLimits, Commit, Committer};
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
     saved, users_page, KeyRecord, MessageRecord, PoolStatus, RetentionReport, SeenKey, Store,
@@ -113,6 +115,35 @@ pub trait Dialect: Database + HasStatementCache {
         created_at: Timestamp,
         messages: &[NewMessage],
     ) -> Result<(), StoreError>;
+
+    /// [`Dialect::append`] for each of `appends`, in order, in the caller's
+    /// write (or, where `ONE_STATEMENT_APPEND`, as one statement): the
+    /// counters each would have read had they run one after another.
+    async fn append_many(
+        conn: &mut Self::Connection,
+        prepared: bool,
+        appends: &[&Append],
+    ) -> Result<Vec<Counters>, StoreError> {
+        let mut counters = Vec::with_capacity(appends.len());
+        for a in appends {
+            counters
+                .push(Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?);
+        }
+        Ok(counters)
+    }
+
+    /// Locks the rows of `users` (in key order, each once), creating those
+    /// missing with no messages and `floor` as their time: how a batch that
+    /// reads before it writes begins. SQLite's write transaction is already
+    /// the lock.
+    async fn lock_users(
+        _conn: &mut Self::Connection,
+        _prepared: bool,
+        _users: &[(&str, &str)],
+        _floor: Timestamp,
+    ) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 /// A user's counters, as every write that locks the user reads them.
@@ -145,6 +176,23 @@ pub struct SqlStore<DB: Database> {
     streams: StreamSlots,
     /// Who holds the retention lease when this store does.
     holder: String,
+    /// Where appends queue for a shared commit; `None` in the committer's
+    /// own copy of the store, which writes them.
+    committer: Option<Arc<Committer>>,
+}
+
+/// The store without its committer: what the committer task writes with.
+impl<DB: Database> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            readers: self.readers.clone(),
+            prepared: self.prepared,
+            streams: self.streams.clone(),
+            holder: self.holder.clone(),
+            committer: None,
+        }
+    }
 }
 
 /// A connection for statements that need no transaction of their own: a
@@ -198,6 +246,7 @@ impl<DB: Database> SqlStore<DB> {
             prepared,
             streams: StreamSlots::new(max_connections),
             holder: lease_holder(),
+            committer: None,
         }
     }
 }
@@ -215,6 +264,95 @@ where
     usize: ColumnIndex<DB::Row>,
     for<'a> &'a str: ColumnIndex<DB::Row>,
 {
+    /// The store, its appends going through a committer task of its own
+    /// (see `commit.rs`); with `appends` at 1 each still commits alone.
+    pub(super) fn with_committer(mut self, appends: usize) -> Self {
+        let limits = BatchLimits {
+            appends: appends.max(1),
+            messages: super::commit::BATCH_MESSAGES,
+        };
+        self.committer = Some(Arc::new(Committer::start(self.clone(), limits)));
+        self
+    }
+
+    /// One append in a write of its own: with neither a cap nor a key, and
+    /// a dialect whose append is one statement, that statement alone.
+    async fn append_alone(&self, a: &Append) -> Result<AppendOutcome, StoreError> {
+        if DB::ONE_STATEMENT_APPEND && a.is_plain() {
+            let mut session = self.session().await?;
+            let counters = DB::append(
+                session.conn(),
+                self.prepared,
+                &a.tenant,
+                &a.user,
+                &a.messages,
+                a.now,
+            )
+            .await?;
+            session.done().await?;
+            return Ok(AppendOutcome::Stored(stored(a, counters)?));
+        }
+        let mut tx = self.write().await?;
+        let outcome = self.append_in(&mut tx, a).await?;
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// One append inside the caller's write: a key already seen replays
+    /// (or refuses) and stores nothing; else the messages go after the
+    /// user's last, the oldest past the cap are evicted, and the key is
+    /// remembered.
+    async fn append_in(
+        &self,
+        conn: &mut DB::Connection,
+        a: &Append,
+    ) -> Result<AppendOutcome, StoreError> {
+        let (tenant, user) = (&a.tenant, a.user.as_str());
+        if let Some(key) = &a.idempotency {
+            // Lock the user first: a concurrent request with the same key
+            // waits here, then finds the record this one leaves.
+            self.user(LOCK_USER, tenant, user)
+                .bind(a.now)
+                .execute(&mut *conn)
+                .await?;
+            let seen: Option<SeenKey> = self
+                .user_rows(SEEN_KEY, tenant, user)
+                .bind(key.key())
+                .fetch_optional(&mut *conn)
+                .await?;
+            if let Some(seen) = seen {
+                return seen.outcome(key, &a.messages);
+            }
+        }
+        let counters = DB::append(
+            &mut *conn,
+            self.prepared,
+            tenant,
+            &a.user,
+            &a.messages,
+            a.now,
+        )
+        .await?;
+        if let Some(cap) = a.cap {
+            let excess = counters.message_count - db_count(cap);
+            self.evict_oldest(&mut *conn, tenant, &a.user, excess)
+                .await?;
+        }
+        let result = stored(a, counters)?;
+        if let Some(key) = &a.idempotency {
+            self.user(REMEMBER_KEY, tenant, user)
+                .bind(key.key())
+                .bind(key.request_digest().to_vec())
+                .bind(result.messages[0].seq)
+                .bind(result.messages[0].created_at)
+                .bind(result.version)
+                .bind(a.now)
+                .execute(&mut *conn)
+                .await?;
+        }
+        Ok(AppendOutcome::Stored(result))
+    }
+
     /// A statement about one user: `$1` the tenant, `$2` the user.
     fn user<'q>(
         &self,
@@ -599,55 +737,18 @@ where
         cap: Option<u64>,
         idempotency: Option<&Idempotency>,
     ) -> Result<AppendOutcome, StoreError> {
-        let stored = |c: Counters| {
-            let first_seq = c.last_seq - db_count(messages.len()) + 1;
-            appended(messages, first_seq, c.last_created_at, c.version)
+        let append = Append {
+            tenant: tenant.clone(),
+            user: user.clone(),
+            messages: messages.to_vec(),
+            now,
+            cap,
+            idempotency: idempotency.cloned(),
         };
-        if DB::ONE_STATEMENT_APPEND && cap.is_none() && idempotency.is_none() {
-            // The common case: one statement, one round trip.
-            let mut session = self.session().await?;
-            let counters =
-                DB::append(session.conn(), self.prepared, tenant, user, messages, now).await?;
-            session.done().await?;
-            return Ok(AppendOutcome::Stored(stored(counters)?));
+        match &self.committer {
+            Some(committer) => committer.append(append).await,
+            None => self.append_alone(&append).await,
         }
-        let mut tx = self.write().await?;
-        if let Some(key) = idempotency {
-            // Lock the user first: a concurrent request with the same key
-            // waits here, then finds the record this one leaves.
-            self.user(LOCK_USER, tenant, user.as_str())
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            let seen: Option<SeenKey> = self
-                .user_rows(SEEN_KEY, tenant, user.as_str())
-                .bind(key.key())
-                .fetch_optional(&mut *tx)
-                .await?;
-            if let Some(seen) = seen {
-                tx.commit().await?;
-                return seen.outcome(key, messages);
-            }
-        }
-        let counters = DB::append(&mut tx, self.prepared, tenant, user, messages, now).await?;
-        if let Some(cap) = cap {
-            let excess = counters.message_count - db_count(cap);
-            self.evict_oldest(&mut tx, tenant, user, excess).await?;
-        }
-        let result = stored(counters)?;
-        if let Some(key) = idempotency {
-            self.user(REMEMBER_KEY, tenant, user.as_str())
-                .bind(key.key())
-                .bind(key.request_digest().to_vec())
-                .bind(result.messages[0].seq)
-                .bind(result.messages[0].created_at)
-                .bind(result.version)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(AppendOutcome::Stored(result))
     }
 
     async fn transcript_stream(
@@ -1106,6 +1207,87 @@ where
             readers.close().await;
         }
     }
+}
+
+#[async_trait]
+impl<DB> Commit for SqlStore<DB>
+where
+    DB: Dialect,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Vec<u8>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    for<'q> Timestamp: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+    for<'a> &'a str: ColumnIndex<DB::Row>,
+{
+    /// A batch in one write. Appends with neither a cap nor a key are
+    /// written together (on Postgres, one statement for every user of the
+    /// batch, each user's appends folded in arrival order); with a cap or a
+    /// key in the batch, every user is locked first, in key order, so that
+    /// two replicas' batches never wait for each other in a cycle, and
+    /// those appends then run one by one.
+    async fn commit(&self, batch: &[Append]) -> Result<Vec<AppendOutcome>, StoreError> {
+        if let [one] = batch {
+            return Ok(vec![self.append_alone(one).await?]);
+        }
+        let plain: Vec<&Append> = batch.iter().filter(|a| a.is_plain()).collect();
+        if DB::ONE_STATEMENT_APPEND && plain.len() == batch.len() {
+            // One statement: atomic on its own, one round trip for all.
+            let mut session = self.session().await?;
+            let counters = DB::append_many(session.conn(), self.prepared, &plain).await?;
+            session.done().await?;
+            return plain
+                .iter()
+                .zip(counters)
+                .map(|(a, c)| Ok(AppendOutcome::Stored(stored(a, c)?)))
+                .collect();
+        }
+        let mut tx = self.write().await?;
+        if plain.len() < batch.len() {
+            let mut users: Vec<(&str, &str)> = batch
+                .iter()
+                .map(|a| (a.tenant.as_str(), a.user.as_str()))
+                .collect();
+            users.sort_unstable();
+            users.dedup();
+            let floor = batch
+                .iter()
+                .map(|a| a.now)
+                .min()
+                .unwrap_or(Timestamp::from_micros(0));
+            DB::lock_users(&mut tx, self.prepared, &users, floor).await?;
+        }
+        let counters = DB::append_many(&mut tx, self.prepared, &plain).await?;
+        let mut written = plain.iter().zip(counters);
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for a in batch {
+            let outcome = if a.is_plain() {
+                let (a, counters) = written.next().ok_or_else(|| {
+                    StoreError::Corrupt("an append of the batch was not written".into())
+                })?;
+                AppendOutcome::Stored(stored(a, counters)?)
+            } else {
+                self.append_in(&mut tx, a).await?
+            };
+            outcomes.push(outcome);
+        }
+        tx.commit().await?;
+        Ok(outcomes)
+    }
+}
+
+/// What `a` stored, from the counters its append left.
+fn stored(a: &Append, counters: Counters) -> Result<crate::domain::Appended, StoreError> {
+    let first_seq = counters.last_seq - db_count(a.messages.len()) + 1;
+    appended(
+        &a.messages,
+        first_seq,
+        counters.last_created_at,
+        counters.version,
+    )
 }
 
 /// No migrations table yet: the database answers, but is not migrated.

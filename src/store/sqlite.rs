@@ -49,12 +49,10 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .max_connections(options.max_connections)
         .acquire_timeout(options.acquire_timeout)
         .connect_lazy_with(connect.read_only(true));
-    Ok(SqlStore::new(
-        writer,
-        Some(readers),
-        true,
-        options.max_connections,
-    ))
+    Ok(
+        SqlStore::new(writer, Some(readers), true, options.max_connections)
+            .with_committer(options.commit_batch),
+    )
 }
 
 #[async_trait]

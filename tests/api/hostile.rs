@@ -516,6 +516,7 @@ async fn retention_runs_on_a_pool_of_one_connection(backend: Backend) {
         ConnectOptions {
             max_connections: 1,
             acquire_timeout: Duration::from_secs(2),
+            ..ConnectOptions::default()
         },
     )
     .await
@@ -549,6 +550,7 @@ async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) 
         ConnectOptions {
             max_connections: 2,
             acquire_timeout: Duration::from_secs(2),
+            ..ConnectOptions::default()
         },
     )
     .await

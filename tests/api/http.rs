@@ -550,6 +550,7 @@ async fn unreachable_postgres_is_503_with_retry_after() {
         chat_history::store::ConnectOptions {
             max_connections: 2,
             acquire_timeout: std::time::Duration::from_millis(500),
+            ..chat_history::store::ConnectOptions::default()
         },
     )
     .await

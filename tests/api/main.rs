@@ -4,6 +4,7 @@
 mod access;
 mod clock;
 mod concurrency;
+mod group_commit;
 mod hostile;
 mod http;
 mod lifecycle;
