@@ -163,6 +163,34 @@ impl Default for ConnectOptions {
     }
 }
 
+/// A pooled connection idle for longer than this is checked (pinged)
+/// before it is handed out: long enough idle that the server may have
+/// dropped it (a restart, an idle timeout). A busy connection is not
+/// checked, which would cost a round trip per statement.
+const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(1);
+
+/// Pool options both backends share: the size and wait from `options`, and
+/// the check above in place of sqlx's ping before every acquire.
+fn pool_options<DB: sqlx::Database>(
+    max_connections: u32,
+    options: &ConnectOptions,
+) -> sqlx::pool::PoolOptions<DB> {
+    use sqlx::Connection;
+    sqlx::pool::PoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(options.acquire_timeout)
+        .test_before_acquire(false)
+        .before_acquire(|conn: &mut DB::Connection, meta| {
+            Box::pin(async move {
+                if meta.idle_for < PING_WHEN_IDLE_FOR {
+                    return Ok(true);
+                }
+                // A broken connection is closed, and another one taken.
+                Ok(conn.ping().await.is_ok())
+            })
+        })
+}
+
 /// The only seam between the service and its database.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {

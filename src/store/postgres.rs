@@ -18,14 +18,14 @@ use secrecy::ExposeSecret;
 use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::migrate::Migrator;
-use sqlx::postgres::{
-    PgArgumentBuffer, PgConnectOptions, PgPoolOptions, PgQueryResult, PgTypeInfo, PgValueRef,
-};
+use sqlx::postgres::{PgArgumentBuffer, PgConnectOptions, PgQueryResult, PgTypeInfo, PgValueRef};
 use sqlx::{Connection, Decode, Encode, FromRow, PgConnection, Pool, Postgres, Type};
 
 use super::commit::Append;
 use super::sql::{Counters, Dialect, SqlStore};
-use super::{db_count, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError};
+use super::{
+    db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
+};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
 pub type PostgresStore = SqlStore<Postgres>;
@@ -45,10 +45,8 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
         connect = connect.statement_cache_capacity(0);
     }
     // Lazily, so that the service can start before its database.
-    let pool = PgPoolOptions::new()
-        .max_connections(options.max_connections)
-        .acquire_timeout(options.acquire_timeout)
-        .connect_lazy_with(connect);
+    let pool =
+        pool_options::<Postgres>(options.max_connections, &options).connect_lazy_with(connect);
     Ok(SqlStore::new(pool, None, prepared, options.max_connections)
         .with_committer(options.commit_batch))
 }

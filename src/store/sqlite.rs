@@ -16,12 +16,12 @@ use sqlx::error::BoxDynError;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{
     SqliteArgumentValue, SqliteConnectOptions, SqliteConnection, SqliteJournalMode,
-    SqlitePoolOptions, SqliteQueryResult, SqliteSynchronous, SqliteTypeInfo, SqliteValueRef,
+    SqliteQueryResult, SqliteSynchronous, SqliteTypeInfo, SqliteValueRef,
 };
 use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 
 use super::sql::{Counters, Dialect, SqlStore};
-use super::{db_count, ConnectOptions, MessageRecord, StoreError};
+use super::{db_count, pool_options, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
 pub type SqliteStore = SqlStore<Sqlite>;
@@ -40,14 +40,10 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .busy_timeout(options.acquire_timeout)
         .foreign_keys(true);
     // At once, so that the file exists (and a bad path fails) at start-up.
-    let writer = SqlitePoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(options.acquire_timeout)
+    let writer = pool_options::<Sqlite>(1, &options)
         .connect_with(connect.clone())
         .await?;
-    let readers = SqlitePoolOptions::new()
-        .max_connections(options.max_connections)
-        .acquire_timeout(options.acquire_timeout)
+    let readers = pool_options::<Sqlite>(options.max_connections, &options)
         .connect_lazy_with(connect.read_only(true));
     Ok(
         SqlStore::new(writer, Some(readers), true, options.max_connections)
