@@ -123,7 +123,7 @@ async fn run(writer: impl Commit, mut waiting: mpsc::Receiver<Waiting>, limits: 
                 // Not the database going away but something about one of
                 // them: commit each alone, so that only that one fails.
                 tracing::warn!(
-                    error = %crate::error::error_chain(&error),
+                    error = ?error,
                     appends = batch.len(),
                     "a shared commit failed; committing its appends one by one"
                 );
