@@ -9,7 +9,7 @@
 //! - within one user `created_at` never decreases as `seq` grows, which lets
 //!   every read walk the primary key and stay O(rows returned).
 
-mod commit;
+mod batch;
 mod postgres;
 mod sql;
 mod sqlite;

@@ -21,8 +21,8 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgArgumentBuffer, PgConnectOptions, PgQueryResult, PgTypeInfo, PgValueRef};
 use sqlx::{Connection, Decode, Encode, FromRow, PgConnection, Pool, Postgres, Type};
 
-use super::commit::Append;
-use super::sql::{Counters, Dialect, SqlStore};
+use super::batch::{Append, PageBack};
+use super::sql::{Counters, Dialect, PageRow, SqlStore};
 use super::{
     db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
 };
@@ -48,7 +48,7 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
     let pool =
         pool_options::<Postgres>(options.max_connections, &options).connect_lazy_with(connect);
     Ok(SqlStore::new(pool, None, prepared, options.max_connections)
-        .with_committer(options.commit_batch))
+        .with_batching(options.commit_batch))
 }
 
 #[async_trait]
@@ -282,6 +282,32 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .collect()
     }
 
+    const READS_MANY: bool = true;
+
+    async fn pages_back_many(
+        conn: &mut PgConnection,
+        prepared: bool,
+        reads: &[PageBack],
+    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
+        let rows: Vec<(i64, i64, Timestamp, String)> = sqlx::query_as(PAGES_BACK)
+            .persistent(prepared)
+            .bind(reads.iter().map(|r| r.tenant.as_str()).collect::<Vec<_>>())
+            .bind(reads.iter().map(|r| r.user.as_str()).collect::<Vec<_>>())
+            .bind(reads.iter().map(|r| r.below).collect::<Vec<_>>())
+            .bind(reads.iter().map(|r| r.fetch).collect::<Vec<_>>())
+            .fetch_all(conn)
+            .await?;
+        let mut pages: Vec<Vec<PageRow>> = reads.iter().map(|_| Vec::new()).collect();
+        for (slot, seq, at, body) in rows {
+            let page = usize::try_from(slot - 1)
+                .ok()
+                .and_then(|slot| pages.get_mut(slot))
+                .ok_or_else(|| StoreError::Corrupt(format!("slot {slot}")))?;
+            page.push((seq, at, body));
+        }
+        Ok(pages)
+    }
+
     async fn lock_users(
         conn: &mut PgConnection,
         prepared: bool,
@@ -402,6 +428,20 @@ WITH batch AS (
     JOIN placed p ON p.slot = m.slot
 )
 SELECT slot, last_seq, version, message_count, last_created_at FROM placed
+"#;
+
+/// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
+/// user `$1`/`$2`, slot by slot (from 1), each slot newest first. Each
+/// user's rows are one index range, as `PAGE_BACK` reads them.
+const PAGES_BACK: &str = r#"
+SELECT b.slot, m.seq, m.created_at, m.message
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[])
+    WITH ORDINALITY AS b(tenant, user_id, below, n, slot)
+CROSS JOIN LATERAL (
+    SELECT seq, created_at, message FROM chat_messages
+    WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
+    ORDER BY seq DESC LIMIT b.n) m
+ORDER BY b.slot, m.seq DESC
 "#;
 
 /// `LOCK_USER` for the users `$1`/`$2`, in key order, creating missing

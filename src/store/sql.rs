@@ -19,7 +19,7 @@ use sqlx::{
     Type,
 };
 
-use super::commit::{Append, BatchLimits, Commit, Committer};
+use super::batch::{run_with, Append, Batcher, Limits, PageBack, Server};
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
     saved, users_page, KeyRecord, MessageRecord, PoolStatus, RetentionReport, SeenKey, Store,
@@ -132,6 +132,17 @@ pub trait Dialect: Database + HasStatementCache {
         Ok(counters)
     }
 
+    /// Whether `pages_back_many` reads many users' pages in one statement;
+    /// where not, reads are not batched.
+    const READS_MANY: bool;
+
+    /// `PAGE_BACK` for each of `reads`, in one statement.
+    async fn pages_back_many(
+        conn: &mut Self::Connection,
+        prepared: bool,
+        reads: &[PageBack],
+    ) -> Result<Vec<Vec<PageRow>>, StoreError>;
+
     /// Locks the rows of `users` (in key order, each once), creating those
     /// missing with no messages and `floor` as their time: how a batch that
     /// reads before it writes begins. SQLite's write transaction is already
@@ -176,12 +187,29 @@ pub struct SqlStore<DB: Database> {
     streams: StreamSlots,
     /// Who holds the retention lease when this store does.
     holder: String,
-    /// Where appends queue for a shared commit; `None` in the committer's
-    /// own copy of the store, which writes them.
-    committer: Option<Arc<Committer>>,
+    /// Where appends and reads queue to be served together; `None` in the
+    /// batching tasks' own copy of the store, which serves them.
+    batches: Option<Arc<Batches>>,
 }
 
-/// The store without its committer: what the committer task writes with.
+/// A message as a page read returns it: `seq`, `created_at`, body.
+pub type PageRow = (i64, Timestamp, String);
+
+/// Appends share commits; on a dialect that reads many users' pages in one
+/// statement, reads of the newest messages share statements.
+struct Batches {
+    commits: Batcher<Append, AppendOutcome>,
+    pages: Option<Batcher<PageBack, Vec<PageRow>>>,
+}
+
+/// Messages in one shared commit, at most (unless one append has more).
+const COMMIT_MESSAGES: usize = 10_000;
+/// Page reads in one statement, at most, and statements in flight at once:
+/// two, so that the service decodes one batch while Postgres runs the next.
+const READ_BATCH: usize = 64;
+const READ_LANES: usize = 2;
+
+/// The store without its batching tasks: what those tasks run with.
 impl<DB: Database> Clone for SqlStore<DB> {
     fn clone(&self) -> Self {
         Self {
@@ -190,7 +218,7 @@ impl<DB: Database> Clone for SqlStore<DB> {
             prepared: self.prepared,
             streams: self.streams.clone(),
             holder: self.holder.clone(),
-            committer: None,
+            batches: None,
         }
     }
 }
@@ -246,7 +274,7 @@ impl<DB: Database> SqlStore<DB> {
             prepared,
             streams: StreamSlots::new(max_connections),
             holder: lease_holder(),
-            committer: None,
+            batches: None,
         }
     }
 }
@@ -264,15 +292,119 @@ where
     usize: ColumnIndex<DB::Row>,
     for<'a> &'a str: ColumnIndex<DB::Row>,
 {
-    /// The store, its appends going through a committer task of its own
-    /// (see `commit.rs`); with `appends` at 1 each still commits alone.
-    pub(super) fn with_committer(mut self, appends: usize) -> Self {
-        let limits = BatchLimits {
-            appends: appends.max(1),
-            messages: super::commit::BATCH_MESSAGES,
-        };
-        self.committer = Some(Arc::new(Committer::start(self.clone(), limits)));
+    /// The store, its appends (and, where the dialect reads many pages in
+    /// one statement, its page reads) served in batches by tasks of its own
+    /// (see `batch.rs`); with `commit_batch` at 1 each append commits alone.
+    pub(super) fn with_batching(mut self, commit_batch: usize) -> Self {
+        let store = Arc::new(self.clone());
+        let writer = store.clone();
+        let commits = Batcher::start(
+            Server {
+                kind: "commit",
+                weight: |a: &Append| a.messages.len(),
+                run: run_with(move |batch| {
+                    let store = writer.clone();
+                    Box::pin(async move { store.commit(batch).await })
+                }),
+            },
+            Limits {
+                items: commit_batch.max(1),
+                weight: COMMIT_MESSAGES,
+                lanes: 1,
+            },
+        );
+        let pages = DB::READS_MANY.then(|| {
+            Batcher::start(
+                Server {
+                    kind: "read",
+                    weight: |_: &PageBack| 1,
+                    run: run_with(move |batch| {
+                        let store = store.clone();
+                        Box::pin(async move { store.pages_back(batch).await })
+                    }),
+                },
+                Limits {
+                    items: READ_BATCH,
+                    weight: READ_BATCH,
+                    lanes: READ_LANES,
+                },
+            )
+        });
+        self.batches = Some(Arc::new(Batches { commits, pages }));
         self
+    }
+
+    /// Pages backwards for a batch of reads: one read is `PAGE_BACK`, as
+    /// ever; more are one statement of the dialect's for all of them.
+    async fn pages_back(&self, batch: &[PageBack]) -> Result<Vec<Vec<PageRow>>, StoreError> {
+        let mut session = self.reader().await?;
+        let pages = match batch {
+            [one] => vec![
+                self.user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
+                    .bind(one.below)
+                    .bind(one.fetch)
+                    .fetch_all(session.conn())
+                    .await?,
+            ],
+            _ => DB::pages_back_many(session.conn(), self.prepared, batch).await?,
+        };
+        session.done().await?;
+        Ok(pages)
+    }
+
+    /// A batch of appends in one write. Appends with neither a cap nor a
+    /// key are written together (on Postgres, one statement for every user
+    /// of the batch, each user's appends folded in arrival order); with a
+    /// cap or a key in the batch, every user is locked first, in key order,
+    /// so that two replicas' batches never wait for each other in a cycle,
+    /// and those appends then run one by one.
+    async fn commit(&self, batch: &[Append]) -> Result<Vec<AppendOutcome>, StoreError> {
+        if let [one] = batch {
+            return Ok(vec![self.append_alone(one).await?]);
+        }
+        let plain: Vec<&Append> = batch.iter().filter(|a| a.is_plain()).collect();
+        if DB::ONE_STATEMENT_APPEND && plain.len() == batch.len() {
+            // One statement: atomic on its own, one round trip for all.
+            let mut session = self.session().await?;
+            let counters = DB::append_many(session.conn(), self.prepared, &plain).await?;
+            session.done().await?;
+            return plain
+                .iter()
+                .zip(counters)
+                .map(|(a, c)| Ok(AppendOutcome::Stored(stored(a, c)?)))
+                .collect();
+        }
+        let mut tx = self.write().await?;
+        if plain.len() < batch.len() {
+            let mut users: Vec<(&str, &str)> = batch
+                .iter()
+                .map(|a| (a.tenant.as_str(), a.user.as_str()))
+                .collect();
+            users.sort_unstable();
+            users.dedup();
+            let floor = batch
+                .iter()
+                .map(|a| a.now)
+                .min()
+                .unwrap_or(Timestamp::from_micros(0));
+            DB::lock_users(&mut tx, self.prepared, &users, floor).await?;
+        }
+        let counters = DB::append_many(&mut tx, self.prepared, &plain).await?;
+        let mut written = plain.iter().zip(counters);
+        let mut outcomes = Vec::with_capacity(batch.len());
+        for a in batch {
+            let outcome = if a.is_plain() {
+                let (a, counters) = written.next().ok_or_else(|| {
+                    StoreError::Corrupt("an append of the batch was not written".into())
+                })?;
+                AppendOutcome::Stored(stored(a, counters)?)
+            } else {
+                self.append_in(&mut tx, a).await?
+            };
+            outcomes.push(outcome);
+        }
+        tx.commit().await?;
+        Ok(outcomes)
     }
 
     /// One append in a write of its own: with neither a cap nor a key, and
@@ -745,8 +877,8 @@ where
             cap,
             idempotency: idempotency.cloned(),
         };
-        match &self.committer {
-            Some(committer) => committer.append(append).await,
+        match &self.batches {
+            Some(batches) => batches.commits.submit(append).await,
             None => self.append_alone(&append).await,
         }
     }
@@ -921,23 +1053,31 @@ where
     ) -> Result<HistoryPage, StoreError> {
         let fetch = i64::from(query.limit) + 1;
         let before = query.before.unwrap_or(i64::MAX);
-        let mut session = self.reader().await?;
-        let rows: Vec<(i64, Timestamp, String)> = match query.after {
+        let rows: Vec<PageRow> = match query.after {
             None => {
-                self.user_rows(PAGE_BACK, tenant, user.as_str())
-                    .bind(before)
-                    .bind(fetch)
-                    .fetch_all(session.conn())
-                    .await?
+                let read = PageBack {
+                    tenant: tenant.clone(),
+                    user: user.clone(),
+                    below: before,
+                    fetch,
+                };
+                match self.batches.as_ref().and_then(|b| b.pages.as_ref()) {
+                    Some(pages) => pages.submit(read).await?,
+                    None => {
+                        let mut pages = self.pages_back(std::slice::from_ref(&read)).await?;
+                        pages.pop().unwrap_or_default()
+                    }
+                }
             }
             Some(after) => {
+                let mut session = self.reader().await?;
                 let not_before = query.not_before.unwrap_or(Timestamp::from_micros(0));
                 let window_start: Option<i64> = self
                     .user_scalar(WINDOW_START, tenant, user.as_str())
                     .bind(not_before)
                     .fetch_optional(session.conn())
                     .await?;
-                match window_start {
+                let rows = match window_start {
                     None => Vec::new(),
                     Some(start) => {
                         self.user_rows(PAGE_FORWARD, tenant, user.as_str())
@@ -947,10 +1087,11 @@ where
                             .fetch_all(session.conn())
                             .await?
                     }
-                }
+                };
+                session.done().await?;
+                rows
             }
         };
-        session.done().await?;
         assemble_page(rows, query)
     }
 
@@ -1206,76 +1347,6 @@ where
         if let Some(readers) = &self.readers {
             readers.close().await;
         }
-    }
-}
-
-#[async_trait]
-impl<DB> Commit for SqlStore<DB>
-where
-    DB: Dialect,
-    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
-    for<'q> DB::Arguments<'q>: IntoArguments<'q, DB>,
-    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
-    for<'q> String: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'q> i64: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'q> Vec<u8>: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    for<'q> Timestamp: Encode<'q, DB> + Decode<'q, DB> + Type<DB>,
-    usize: ColumnIndex<DB::Row>,
-    for<'a> &'a str: ColumnIndex<DB::Row>,
-{
-    /// A batch in one write. Appends with neither a cap nor a key are
-    /// written together (on Postgres, one statement for every user of the
-    /// batch, each user's appends folded in arrival order); with a cap or a
-    /// key in the batch, every user is locked first, in key order, so that
-    /// two replicas' batches never wait for each other in a cycle, and
-    /// those appends then run one by one.
-    async fn commit(&self, batch: &[Append]) -> Result<Vec<AppendOutcome>, StoreError> {
-        if let [one] = batch {
-            return Ok(vec![self.append_alone(one).await?]);
-        }
-        let plain: Vec<&Append> = batch.iter().filter(|a| a.is_plain()).collect();
-        if DB::ONE_STATEMENT_APPEND && plain.len() == batch.len() {
-            // One statement: atomic on its own, one round trip for all.
-            let mut session = self.session().await?;
-            let counters = DB::append_many(session.conn(), self.prepared, &plain).await?;
-            session.done().await?;
-            return plain
-                .iter()
-                .zip(counters)
-                .map(|(a, c)| Ok(AppendOutcome::Stored(stored(a, c)?)))
-                .collect();
-        }
-        let mut tx = self.write().await?;
-        if plain.len() < batch.len() {
-            let mut users: Vec<(&str, &str)> = batch
-                .iter()
-                .map(|a| (a.tenant.as_str(), a.user.as_str()))
-                .collect();
-            users.sort_unstable();
-            users.dedup();
-            let floor = batch
-                .iter()
-                .map(|a| a.now)
-                .min()
-                .unwrap_or(Timestamp::from_micros(0));
-            DB::lock_users(&mut tx, self.prepared, &users, floor).await?;
-        }
-        let counters = DB::append_many(&mut tx, self.prepared, &plain).await?;
-        let mut written = plain.iter().zip(counters);
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for a in batch {
-            let outcome = if a.is_plain() {
-                let (a, counters) = written.next().ok_or_else(|| {
-                    StoreError::Corrupt("an append of the batch was not written".into())
-                })?;
-                AppendOutcome::Stored(stored(a, counters)?)
-            } else {
-                self.append_in(&mut tx, a).await?
-            };
-            outcomes.push(outcome);
-        }
-        tx.commit().await?;
-        Ok(outcomes)
     }
 }
 

@@ -20,7 +20,8 @@ use sqlx::sqlite::{
 };
 use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 
-use super::sql::{Counters, Dialect, SqlStore};
+use super::batch::PageBack;
+use super::sql::{Counters, Dialect, PageRow, SqlStore};
 use super::{db_count, pool_options, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
@@ -47,7 +48,7 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .connect_lazy_with(connect.read_only(true));
     Ok(
         SqlStore::new(writer, Some(readers), true, options.max_connections)
-            .with_committer(options.commit_batch),
+            .with_batching(options.commit_batch),
     )
 }
 
@@ -121,6 +122,20 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         let at = counters.last_created_at;
         Self::insert_messages(conn, prepared, tenant, user, first_seq, at, messages).await?;
         Ok(counters)
+    }
+
+    /// Reads run beside each other on the read-only connections, each in
+    /// sqlx's worker thread of its own: batching them would serialize them.
+    const READS_MANY: bool = false;
+
+    async fn pages_back_many(
+        _conn: &mut SqliteConnection,
+        _prepared: bool,
+        _reads: &[PageBack],
+    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
+        Err(StoreError::Corrupt(
+            "SQLite reads pages one statement each (READS_MANY is false)".into(),
+        ))
     }
 
     async fn insert_records(

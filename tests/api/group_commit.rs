@@ -1,5 +1,6 @@
 //! Group commit: appends that queue while a commit is in flight share the
-//! next one. Each test first holds the writer (a row lock on Postgres, the
+//! next one (and, on Postgres, reads of the newest messages that queue
+//! while two are in flight share one statement). Each test first holds the writer (a row lock on Postgres, the
 //! write lock on SQLite) from a connection of its own, so that one commit
 //! is stuck while the appends under test queue behind it: they then share
 //! one commit, whatever the machine's speed. What each caller is answered,
@@ -26,9 +27,25 @@ use crate::support::{Backend, Replica, TestApp, TestDb};
 
 on_both_backends!(
     queued_appends_share_a_commit_and_are_answered_as_if_alone,
+    queued_reads_each_get_their_own_page,
     a_poisoned_append_fails_alone,
     kill_9_during_coalesced_load_loses_no_acknowledged_message,
 );
+
+/// Held by the tests that split commit batches (by making one fail) or
+/// check that none was split, so that one does not see the other's.
+static SPLITS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Batches of `kind` that failed and were served one request at a time, so
+/// far, in this process.
+fn splits(kind: &str) -> f64 {
+    let name = format!("chat_history_batches_split_total{{kind=\"{kind}\"}} ");
+    chat_history::telemetry::metrics()
+        .render()
+        .lines()
+        .filter_map(|line| line.strip_prefix(&name)?.parse::<f64>().ok())
+        .sum()
+}
 
 /// A connection that holds the writer until `release`: on Postgres the row
 /// of user `held` (its appends wait), on SQLite the database's write lock
@@ -166,6 +183,8 @@ fn contents(appended: &Appended) -> Vec<String> {
 }
 
 async fn queued_appends_share_a_commit_and_are_answered_as_if_alone(backend: Backend) {
+    let _splits = SPLITS.lock().await;
+    let split_before = splits("commit");
     let db = TestDb::new(backend).await;
     let store = db.store().await;
     // Round 1: plain appends only (on Postgres one statement for them
@@ -287,9 +306,107 @@ async fn queued_appends_share_a_commit_and_are_answered_as_if_alone(backend: Bac
             }
         }
     }
+    assert_eq!(
+        splits("commit"),
+        split_before,
+        "no shared commit failed and was split"
+    );
+}
+
+async fn queued_reads_each_get_their_own_page(backend: Backend) {
+    use chat_history::domain::{HistoryPage, HistoryQuery};
+    let split_before = splits("read");
+    let db = TestDb::new(backend).await;
+    let store = db.store().await;
+    for user in 0..10 {
+        let messages: Vec<NewMessage> = (0..user * 3)
+            .map(|i| text(&format!("u{user}-{i}")))
+            .collect();
+        if !messages.is_empty() {
+            append(&*store, &format!("u{user}"), &messages, None, None).await;
+        }
+    }
+    let queries: Vec<(String, HistoryQuery)> = (0..40)
+        .map(|i| {
+            let query = HistoryQuery {
+                limit: 1 + i % 7,
+                not_before: None,
+                before: (i % 3 == 0).then_some(i64::from(5 + i % 11)),
+                after: None,
+            };
+            (format!("u{}", i % 10), query)
+        })
+        .collect();
+    let read = |store: Arc<dyn Store>, user: String, query: HistoryQuery| async move {
+        store
+            .history_window(
+                &Tenant::default_tenant(),
+                &UserId::parse(user).unwrap(),
+                query,
+            )
+            .await
+            .unwrap()
+    };
+    // On Postgres, a lock of the test's own stops every read; those that
+    // queue behind the two in flight are then read in one statement.
+    let mut held = None;
+    if backend == Backend::Postgres {
+        let mut conn = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
+        conn.execute("BEGIN").await.unwrap();
+        conn.execute("LOCK TABLE chat_messages IN ACCESS EXCLUSIVE MODE")
+            .await
+            .unwrap();
+        held = Some(conn);
+    }
+    let mut readers = JoinSet::new();
+    for (i, (user, query)) in queries.iter().cloned().enumerate() {
+        let store = store.clone();
+        readers.spawn(async move { (i, read(store, user, query).await) });
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Some(mut conn) = held {
+        conn.execute("COMMIT").await.unwrap();
+    }
+    let mut together: Vec<(usize, HistoryPage)> = Vec::new();
+    while let Some(done) = readers.join_next().await {
+        together.push(done.unwrap());
+    }
+    together.sort_by_key(|(i, _)| *i);
+    let seqs = |page: &HistoryPage| page.messages.iter().map(|m| m.seq).collect::<Vec<_>>();
+    for ((i, page), (user, query)) in together.iter().zip(&queries) {
+        // The same page read alone, and what it must hold.
+        let alone = read(store.clone(), user.clone(), *query).await;
+        assert_eq!(seqs(page), seqs(&alone), "read {i} of {user}");
+        assert_eq!(page.has_more, alone.has_more, "read {i} of {user}");
+        let stored: i64 = user[1..].parse::<i64>().unwrap() * 3;
+        let below = query.before.unwrap_or(i64::MAX).min(stored + 1);
+        let first = (below - i64::from(query.limit)).max(1);
+        assert_eq!(
+            seqs(page),
+            (first..below).collect::<Vec<_>>(),
+            "read {i} of {user}"
+        );
+        for m in &page.messages {
+            let content = serde_json::from_str::<Value>(m.message.get()).unwrap()["content"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            assert_eq!(
+                content,
+                format!("{user}-{}", m.seq - 1),
+                "read {i}: another user's message"
+            );
+        }
+    }
+    assert_eq!(
+        splits("read"),
+        split_before,
+        "no shared read failed and was split"
+    );
 }
 
 async fn a_poisoned_append_fails_alone(backend: Backend) {
+    let _splits = SPLITS.lock().await;
     let db = TestDb::new(backend).await;
     let store = db.store().await;
     // A trigger of the test's own refuses one message: an error of one
