@@ -4,16 +4,18 @@
 //! raw path, which carries user ids) with the request id; and the Prometheus
 //! recorder behind `/metrics`.
 
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request as AxumRequest};
-use axum::http::{Method, Request};
+use axum::http::{HeaderValue, Method, Request};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Router;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tower_http::request_id::{MakeRequestId, RequestId};
 use tower_http::trace::TraceLayer;
 use tracing_subscriber::EnvFilter;
 
@@ -84,6 +86,41 @@ fn request_span(request: &Request<Body>) -> tracing::Span {
         route,
         request_id
     )
+}
+
+/// Request ids for requests that bring none: UUID-shaped, one half drawn at
+/// random once per process and the other a counter, so that they are unique
+/// across replicas without asking the kernel for randomness per request.
+#[derive(Clone)]
+pub struct RequestIds {
+    process: u64,
+    next: Arc<AtomicU64>,
+}
+
+impl RequestIds {
+    pub fn new() -> Self {
+        Self {
+            process: uuid::Uuid::new_v4().as_u64_pair().0,
+            next: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MakeRequestId for RequestIds {
+    fn make_request_id<B>(&mut self, _: &Request<B>) -> Option<RequestId> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let id = uuid::Uuid::from_u64_pair(self.process, n);
+        let mut text = uuid::Uuid::encode_buffer();
+        HeaderValue::from_str(id.hyphenated().encode_lower(&mut text))
+            .ok()
+            .map(RequestId::new)
+    }
 }
 
 /// Seconds: from 1 ms to 10 s, for request and cleanup durations.

@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use axum::middleware;
 use axum::Router;
 use tower_http::catch_panic::CatchPanicLayer;
-use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::timeout::TimeoutLayer;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -108,7 +108,7 @@ pub fn outer_layers(router: Router) -> Router {
         .layer(CatchPanicLayer::custom(protect::panic_response))
         .layer(middleware::from_fn(problems::problem_for_bare_errors))
         .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(SetRequestIdLayer::x_request_id(MakeRequestUuid))
+        .layer(SetRequestIdLayer::x_request_id(telemetry::RequestIds::new()))
 }
 
 /// `/docs`: Swagger UI on `/openapi.json`, its assets compiled into the
