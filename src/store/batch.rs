@@ -10,7 +10,8 @@
 use std::sync::Arc;
 
 use futures_util::future::BoxFuture;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use super::StoreError;
 use crate::domain::{Idempotency, NewMessage, Tenant, Timestamp, UserId};
@@ -46,22 +47,27 @@ pub struct PageBack {
 /// How a batch is served: `run` gives an output for each item, in order,
 /// or an error when none of them was served (for a commit: nothing of it
 /// was stored, or, had the connection been lost during the commit itself,
-/// that cannot be known).
-pub struct Server<I, O> {
+/// that cannot be known). Each lane keeps an `L` of its own from one batch
+/// to the next (a database connection, say).
+pub struct Server<I, O, L> {
     /// What the metrics call this kind of batch.
     pub kind: &'static str,
     /// How much of a batch's budget an item takes.
     pub weight: fn(&I) -> usize,
-    pub run: Run<I, O>,
+    pub run: Run<I, O, L>,
 }
 
-pub type Run<I, O> =
-    Box<dyn for<'a> Fn(&'a [I]) -> BoxFuture<'a, Result<Vec<O>, StoreError>> + Send + Sync>;
+pub type Run<I, O, L> = Box<
+    dyn for<'a> Fn(&'a mut L, &'a [I]) -> BoxFuture<'a, Result<Vec<O>, StoreError>> + Send + Sync,
+>;
 
 /// `run`, with its signature spelled out for the compiler.
-pub fn run_with<I, O, F>(run: F) -> Run<I, O>
+pub fn run_with<I, O, L, F>(run: F) -> Run<I, O, L>
 where
-    F: for<'a> Fn(&'a [I]) -> BoxFuture<'a, Result<Vec<O>, StoreError>> + Send + Sync + 'static,
+    F: for<'a> Fn(&'a mut L, &'a [I]) -> BoxFuture<'a, Result<Vec<O>, StoreError>>
+        + Send
+        + Sync
+        + 'static,
 {
     Box::new(run)
 }
@@ -87,13 +93,21 @@ struct Waiting<I, O> {
 /// holds this is dropped.
 pub struct Batcher<I, O> {
     queue: mpsc::Sender<Waiting<I, O>>,
+    closed: CancellationToken,
 }
 
 impl<I: Send + Sync + 'static, O: Send + 'static> Batcher<I, O> {
-    pub fn start(server: Server<I, O>, limits: Limits) -> Self {
+    pub fn start<L: Default + Send + 'static>(server: Server<I, O, L>, limits: Limits) -> Self {
         let (queue, waiting) = mpsc::channel(QUEUE);
-        tokio::spawn(gather(Arc::new(server), waiting, limits));
-        Self { queue }
+        let closed = CancellationToken::new();
+        tokio::spawn(gather(Arc::new(server), waiting, limits, closed.clone()));
+        Self { queue, closed }
+    }
+
+    /// Stops taking batches: requests still queued get `Busy`, batches in
+    /// flight finish, and every lane then gives its connection back.
+    pub fn close(&self) {
+        self.closed.cancel();
     }
 
     /// Queues `item` and waits for the batch that serves it.
@@ -108,24 +122,40 @@ impl<I: Send + Sync + 'static, O: Send + 'static> Batcher<I, O> {
     }
 }
 
-async fn gather<I: Send + Sync + 'static, O: Send + 'static>(
-    server: Arc<Server<I, O>>,
+async fn gather<I: Send + Sync + 'static, O: Send + 'static, L: Default + Send + 'static>(
+    server: Arc<Server<I, O, L>>,
     mut waiting: mpsc::Receiver<Waiting<I, O>>,
     limits: Limits,
+    closed: CancellationToken,
 ) {
-    let lanes = Arc::new(Semaphore::new(limits.lanes.max(1)));
+    // Lanes free to run a batch; a lane comes back when its batch is done.
+    let lanes = limits.lanes.max(1);
+    let (free, mut idle) = mpsc::channel::<L>(lanes);
+    for _ in 0..lanes {
+        let _ = free.try_send(L::default());
+    }
     let mut next: Option<Waiting<I, O>> = None;
     loop {
         // A lane first: while every lane is busy, requests queue.
-        let Ok(lane) = lanes.clone().acquire_owned().await else {
+        let lane = tokio::select! {
+            () = closed.cancelled() => None,
+            lane = idle.recv() => lane,
+        };
+        let Some(mut lane) = lane else {
             return;
         };
         let first = match next.take() {
             Some(first) => first,
-            None => match waiting.recv().await {
-                Some(first) => first,
-                None => return,
-            },
+            None => {
+                let first = tokio::select! {
+                    () = closed.cancelled() => None,
+                    first = waiting.recv() => first,
+                };
+                match first {
+                    Some(first) => first,
+                    None => return,
+                }
+            }
         };
         let mut weight = (server.weight)(&first.item);
         let (mut items, mut answers) = (vec![first.item], vec![first.answer]);
@@ -140,14 +170,14 @@ async fn gather<I: Send + Sync + 'static, O: Send + 'static>(
             items.push(more.item);
             answers.push(more.answer);
         }
-        let server = server.clone();
+        let (server, free) = (server.clone(), free.clone());
         tokio::spawn(async move {
-            let outputs = serve(&server, &items).await;
+            let outputs = serve(&server, &mut lane, &items).await;
             for (answer, output) in answers.into_iter().zip(outputs) {
                 // A caller that went away (timed out, disconnected) is not told.
                 let _ = answer.send(output);
             }
-            drop(lane);
+            let _ = free.send(lane).await;
         });
     }
 }
@@ -155,11 +185,15 @@ async fn gather<I: Send + Sync + 'static, O: Send + 'static>(
 /// Runs `items` as one batch. When that fails for a reason other than the
 /// database going away (something about one of them), each runs alone, so
 /// that only that one fails.
-async fn serve<I, O>(server: &Server<I, O>, items: &[I]) -> Vec<Result<O, StoreError>> {
+async fn serve<I, O, L>(
+    server: &Server<I, O, L>,
+    lane: &mut L,
+    items: &[I],
+) -> Vec<Result<O, StoreError>> {
     metrics::counter!("chat_history_batches_total", "kind" => server.kind).increment(1);
     metrics::counter!("chat_history_batched_requests_total", "kind" => server.kind)
         .increment(items.len() as u64);
-    match run(server, items).await {
+    match run(server, lane, items).await {
         Ok(outputs) => outputs.into_iter().map(Ok).collect(),
         Err(error) if items.len() == 1 => vec![Err(error)],
         Err(error) if !error.is_unavailable() => {
@@ -173,7 +207,7 @@ async fn serve<I, O>(server: &Server<I, O>, items: &[I]) -> Vec<Result<O, StoreE
             );
             let mut outputs = Vec::with_capacity(items.len());
             for item in items {
-                let alone = run(server, std::slice::from_ref(item)).await;
+                let alone = run(server, lane, std::slice::from_ref(item)).await;
                 outputs.push(alone.and_then(|mut one| one.pop().ok_or_else(no_output)));
             }
             outputs
@@ -188,12 +222,16 @@ async fn serve<I, O>(server: &Server<I, O>, items: &[I]) -> Vec<Result<O, StoreE
     }
 }
 
-/// `server.run(items)`, with a panic inside it turned into an error for
-/// this batch's callers rather than the end of the task, and a count of
+/// `server.run(lane, items)`, with a panic inside it turned into an error
+/// for this batch's callers rather than the end of the task, and a count of
 /// outputs that matches the batch.
-async fn run<I, O>(server: &Server<I, O>, items: &[I]) -> Result<Vec<O>, StoreError> {
+async fn run<I, O, L>(
+    server: &Server<I, O, L>,
+    lane: &mut L,
+    items: &[I],
+) -> Result<Vec<O>, StoreError> {
     use futures_util::FutureExt;
-    match std::panic::AssertUnwindSafe((server.run)(items))
+    match std::panic::AssertUnwindSafe((server.run)(lane, items))
         .catch_unwind()
         .await
     {

@@ -167,7 +167,7 @@ impl Default for ConnectOptions {
 /// before it is handed out: long enough idle that the server may have
 /// dropped it (a restart, an idle timeout). A busy connection is not
 /// checked, which would cost a round trip per statement.
-const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(1);
+pub(crate) const PING_WHEN_IDLE_FOR: Duration = Duration::from_secs(1);
 
 /// Pool options both backends share: the size and wait from `options`, and
 /// the check above in place of sqlx's ping before every acquire.

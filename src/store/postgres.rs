@@ -282,6 +282,7 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .collect()
     }
 
+    const SHARED_WRITER: bool = false;
     const READS_MANY: bool = true;
 
     async fn pages_back_many(

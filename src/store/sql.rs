@@ -132,6 +132,10 @@ pub trait Dialect: Database + HasStatementCache {
         Ok(counters)
     }
 
+    /// Whether every write shares one connection (SQLite's single
+    /// writer), which a batching task must then not keep between batches.
+    const SHARED_WRITER: bool;
+
     /// Whether `pages_back_many` reads many users' pages in one statement;
     /// where not, reads are not batched.
     const READS_MANY: bool;
@@ -208,6 +212,8 @@ const COMMIT_MESSAGES: usize = 10_000;
 /// two, so that the service decodes one batch while Postgres runs the next.
 const READ_BATCH: usize = 64;
 const READ_LANES: usize = 2;
+/// The smallest pool whose connections batching lanes keep between batches.
+const KEEP_FROM_POOL_SIZE: u32 = 4;
 
 /// The store without its batching tasks: what those tasks run with.
 impl<DB: Database> Clone for SqlStore<DB> {
@@ -224,17 +230,20 @@ impl<DB: Database> Clone for SqlStore<DB> {
 }
 
 /// A connection for statements that need no transaction of their own: a
-/// plain pool connection, or behind a transaction-mode pooler a transaction,
-/// so that a statement's parse and execute reach the same server connection.
-enum Session<DB: Database> {
-    Direct(PoolConnection<DB>),
-    Pinned(Transaction<'static, DB>),
+/// plain connection (from the pool, or one the caller holds), or behind a
+/// transaction-mode pooler a transaction, so that a statement's parse and
+/// execute reach the same server connection.
+enum Session<'c, DB: Database> {
+    Pooled(PoolConnection<DB>),
+    Held(&'c mut DB::Connection),
+    Pinned(Transaction<'c, DB>),
 }
 
-impl<DB: Database> Session<DB> {
+impl<DB: Database> Session<'_, DB> {
     fn conn(&mut self) -> &mut DB::Connection {
         match self {
-            Self::Direct(conn) => conn,
+            Self::Pooled(conn) => conn,
+            Self::Held(conn) => conn,
             Self::Pinned(tx) => tx,
         }
     }
@@ -244,6 +253,51 @@ impl<DB: Database> Session<DB> {
             tx.commit().await?;
         }
         Ok(())
+    }
+}
+
+/// A connection a batching lane keeps from one batch to the next, so that
+/// no batch pays for giving it back (sqlx pings every connection returned
+/// to its pool: a round trip). Dropped after a failed batch, and checked
+/// first when it sat idle, as the pools check theirs.
+pub struct Lane<DB: Database> {
+    conn: Option<PoolConnection<DB>>,
+    used: std::time::Instant,
+}
+
+impl<DB: Database> Default for Lane<DB> {
+    fn default() -> Self {
+        Self {
+            conn: None,
+            used: std::time::Instant::now(),
+        }
+    }
+}
+
+impl<DB: Database> Lane<DB> {
+    /// The lane's connection, or one from `pool`.
+    async fn conn(&mut self, pool: &Pool<DB>) -> Result<&mut PoolConnection<DB>, StoreError> {
+        use sqlx::Connection as _;
+        let idle = self.used.elapsed() >= super::PING_WHEN_IDLE_FOR;
+        self.used = std::time::Instant::now();
+        let conn = match self.conn.take() {
+            Some(mut conn) if idle => match conn.ping().await {
+                Ok(()) => conn,
+                Err(_) => pool.acquire().await?,
+            },
+            Some(conn) => conn,
+            None => pool.acquire().await?,
+        };
+        Ok(self.conn.insert(conn))
+    }
+
+    /// Ends a batch: a connection whose batch failed may be broken, and
+    /// goes back to the pool (which checks it); so does one that others
+    /// need between batches (`keep` false).
+    fn release(&mut self, failed: bool, keep: bool) {
+        if failed || !keep {
+            self.conn = None;
+        }
     }
 }
 
@@ -297,14 +351,25 @@ where
     /// (see `batch.rs`); with `commit_batch` at 1 each append commits alone.
     pub(super) fn with_batching(mut self, commit_batch: usize) -> Self {
         let store = Arc::new(self.clone());
+        // Lanes keep their connections only where the pools can spare them:
+        // never SQLite's one writer, and Postgres's from a pool of four up,
+        // so that the rest of the service always has connections of its own.
+        let spare = |pool: &Pool<DB>| pool.options().get_max_connections() >= KEEP_FROM_POOL_SIZE;
+        let keep_writer = !DB::SHARED_WRITER && spare(&self.pool);
+        let keep_reader = spare(self.readers.as_ref().unwrap_or(&self.pool));
         let writer = store.clone();
         let commits = Batcher::start(
             Server {
                 kind: "commit",
                 weight: |a: &Append| a.messages.len(),
-                run: run_with(move |batch| {
+                run: run_with(move |lane: &mut Lane<DB>, batch| {
                     let store = writer.clone();
-                    Box::pin(async move { store.commit(batch).await })
+                    Box::pin(async move {
+                        let conn = lane.conn(&store.pool).await?;
+                        let written = store.commit(conn, batch).await;
+                        lane.release(written.is_err(), keep_writer);
+                        written
+                    })
                 }),
             },
             Limits {
@@ -318,9 +383,16 @@ where
                 Server {
                     kind: "read",
                     weight: |_: &PageBack| 1,
-                    run: run_with(move |batch| {
+                    run: run_with(move |lane: &mut Lane<DB>, batch| {
                         let store = store.clone();
-                        Box::pin(async move { store.pages_back(batch).await })
+                        Box::pin(async move {
+                            let pool = store.readers.as_ref().unwrap_or(&store.pool);
+                            let conn = lane.conn(pool).await?;
+                            let session = store.session_on(conn).await?;
+                            let pages = store.pages_back(session, batch).await;
+                            lane.release(pages.is_err(), keep_reader);
+                            pages
+                        })
                     }),
                 },
                 Limits {
@@ -336,8 +408,11 @@ where
 
     /// Pages backwards for a batch of reads: one read is `PAGE_BACK`, as
     /// ever; more are one statement of the dialect's for all of them.
-    async fn pages_back(&self, batch: &[PageBack]) -> Result<Vec<Vec<PageRow>>, StoreError> {
-        let mut session = self.reader().await?;
+    async fn pages_back(
+        &self,
+        mut session: Session<'_, DB>,
+        batch: &[PageBack],
+    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
         let pages = match batch {
             [one] => vec![
                 self.user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
@@ -358,14 +433,19 @@ where
     /// cap or a key in the batch, every user is locked first, in key order,
     /// so that two replicas' batches never wait for each other in a cycle,
     /// and those appends then run one by one.
-    async fn commit(&self, batch: &[Append]) -> Result<Vec<AppendOutcome>, StoreError> {
+    async fn commit(
+        &self,
+        conn: &mut DB::Connection,
+        batch: &[Append],
+    ) -> Result<Vec<AppendOutcome>, StoreError> {
+        use sqlx::Connection as _;
         if let [one] = batch {
-            return Ok(vec![self.append_alone(one).await?]);
+            return Ok(vec![self.append_alone(conn, one).await?]);
         }
         let plain: Vec<&Append> = batch.iter().filter(|a| a.is_plain()).collect();
         if DB::ONE_STATEMENT_APPEND && plain.len() == batch.len() {
             // One statement: atomic on its own, one round trip for all.
-            let mut session = self.session().await?;
+            let mut session = self.session_on(conn).await?;
             let counters = DB::append_many(session.conn(), self.prepared, &plain).await?;
             session.done().await?;
             return plain
@@ -374,7 +454,7 @@ where
                 .map(|(a, c)| Ok(AppendOutcome::Stored(stored(a, c)?)))
                 .collect();
         }
-        let mut tx = self.write().await?;
+        let mut tx = conn.begin_with(DB::BEGIN_WRITE).await?;
         if plain.len() < batch.len() {
             let mut users: Vec<(&str, &str)> = batch
                 .iter()
@@ -409,9 +489,14 @@ where
 
     /// One append in a write of its own: with neither a cap nor a key, and
     /// a dialect whose append is one statement, that statement alone.
-    async fn append_alone(&self, a: &Append) -> Result<AppendOutcome, StoreError> {
+    async fn append_alone(
+        &self,
+        conn: &mut DB::Connection,
+        a: &Append,
+    ) -> Result<AppendOutcome, StoreError> {
+        use sqlx::Connection as _;
         if DB::ONE_STATEMENT_APPEND && a.is_plain() {
-            let mut session = self.session().await?;
+            let mut session = self.session_on(conn).await?;
             let counters = DB::append(
                 session.conn(),
                 self.prepared,
@@ -424,7 +509,7 @@ where
             session.done().await?;
             return Ok(AppendOutcome::Stored(stored(a, counters)?));
         }
-        let mut tx = self.write().await?;
+        let mut tx = conn.begin_with(DB::BEGIN_WRITE).await?;
         let outcome = self.append_in(&mut tx, a).await?;
         tx.commit().await?;
         Ok(outcome)
@@ -533,18 +618,31 @@ where
     }
 
     /// A connection for reading: SQLite's read-only pool, else a session.
-    async fn reader(&self) -> Result<Session<DB>, StoreError> {
+    async fn reader(&self) -> Result<Session<'static, DB>, StoreError> {
         match &self.readers {
-            Some(readers) => Ok(Session::Direct(readers.acquire().await?)),
+            Some(readers) => Ok(Session::Pooled(readers.acquire().await?)),
             None => self.session().await,
         }
     }
 
-    async fn session(&self) -> Result<Session<DB>, StoreError> {
+    async fn session(&self) -> Result<Session<'static, DB>, StoreError> {
         Ok(if self.prepared {
-            Session::Direct(self.pool.acquire().await?)
+            Session::Pooled(self.pool.acquire().await?)
         } else {
             Session::Pinned(self.pool.begin().await?)
+        })
+    }
+
+    /// A session on a connection the caller holds.
+    async fn session_on<'c>(
+        &self,
+        conn: &'c mut DB::Connection,
+    ) -> Result<Session<'c, DB>, StoreError> {
+        use sqlx::Connection as _;
+        Ok(if self.prepared {
+            Session::Held(conn)
+        } else {
+            Session::Pinned(conn.begin().await?)
         })
     }
 
@@ -879,7 +977,10 @@ where
         };
         match &self.batches {
             Some(batches) => batches.commits.submit(append).await,
-            None => self.append_alone(&append).await,
+            None => {
+                let mut conn = self.pool.acquire().await?;
+                self.append_alone(&mut conn, &append).await
+            }
         }
     }
 
@@ -1064,7 +1165,10 @@ where
                 match self.batches.as_ref().and_then(|b| b.pages.as_ref()) {
                     Some(pages) => pages.submit(read).await?,
                     None => {
-                        let mut pages = self.pages_back(std::slice::from_ref(&read)).await?;
+                        let session = self.reader().await?;
+                        let mut pages = self
+                            .pages_back(session, std::slice::from_ref(&read))
+                            .await?;
                         pages.pop().unwrap_or_default()
                     }
                 }
@@ -1343,6 +1447,13 @@ where
     }
 
     async fn close(&self) {
+        // The batching lanes first, which give back the connections they keep.
+        if let Some(batches) = &self.batches {
+            batches.commits.close();
+            if let Some(pages) = &batches.pages {
+                pages.close();
+            }
+        }
         self.pool.close().await;
         if let Some(readers) = &self.readers {
             readers.close().await;

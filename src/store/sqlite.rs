@@ -124,6 +124,8 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         Ok(counters)
     }
 
+    const SHARED_WRITER: bool = true;
+
     /// Reads run beside each other on the read-only connections, each in
     /// sqlx's worker thread of its own: batching them would serialize them.
     const READS_MANY: bool = false;
