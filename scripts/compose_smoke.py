@@ -4,10 +4,10 @@
 Reads the chat-history service's environment from `docker-compose config`
 (docker-compose.yml itself, interpolated: not a copy of it), points its
 DATABASE_URL at the local Postgres instead of the `postgres` service, starts
-the given release binary with it, and runs append, read, stats and clear
+the given binary with it, and runs append, read, stats and clear
 through it. Then SIGTERM must stop it with exit code 0.
 
-usage: scripts/compose_smoke.py target/release/chat-history
+usage: scripts/compose_smoke.py target/debug/chat-history
 """
 
 import http.client
