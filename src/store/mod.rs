@@ -10,6 +10,7 @@
 //!   every read walk the primary key and stay O(rows returned).
 
 mod batch;
+mod fold;
 mod postgres;
 mod sql;
 mod sqlite;

@@ -9,7 +9,6 @@
 //! transaction) and each runs inside a transaction. For the same reason the
 //! retention lock is a lease row, not a session lock, in every mode.
 
-use std::collections::HashMap;
 use std::str::FromStr;
 
 use async_trait::async_trait;
@@ -22,6 +21,7 @@ use sqlx::postgres::{PgArgumentBuffer, PgConnectOptions, PgQueryResult, PgTypeIn
 use sqlx::{Connection, Decode, Encode, FromRow, PgConnection, Pool, Postgres, Type};
 
 use super::batch::{Append, PageBack};
+use super::fold::{slot_number, Final, Fold};
 use super::sql::{Counters, Dialect, PageRow, SqlStore};
 use super::{
     db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
@@ -218,68 +218,49 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
         if appends.is_empty() {
             return Ok(Vec::new());
         }
-        // Each user once (its slot), its messages numbered in arrival order.
-        let mut slots: HashMap<(&str, &str), usize> = HashMap::new();
-        let mut users: Vec<Folded> = Vec::new();
-        let mut places = Vec::with_capacity(appends.len());
-        let total: usize = appends.iter().map(|a| a.messages.len()).sum();
-        let (mut message_slots, mut positions) =
-            (Vec::with_capacity(total), Vec::with_capacity(total));
-        let (mut bodies, mut digests) = (Vec::with_capacity(total), Vec::with_capacity(total));
-        for a in appends {
-            let key = (a.tenant.as_str(), a.user.as_str());
-            let slot = *slots.entry(key).or_insert_with(|| {
-                users.push(Folded {
-                    tenant: key.0,
-                    user: key.1,
-                    messages: 0,
-                    appends: 0,
-                    at: a.now,
-                });
-                users.len() - 1
-            });
-            let user = &mut users[slot];
-            user.appends += 1;
-            user.at = user.at.max(a.now);
-            for m in &a.messages {
-                user.messages += 1;
-                message_slots.push(db_count(slot + 1));
-                positions.push(user.messages);
-                bodies.push(m.body());
-                digests.push(m.digest().to_vec());
-            }
-            places.push((slot, user.messages, user.appends));
-        }
-        let rows: Vec<FoldedCounters> = sqlx::query_as(APPEND_MANY)
+        let fold = Fold::new(appends);
+        let rows: Vec<SlotFinal> = sqlx::query_as(APPEND_MANY)
             .persistent(prepared)
-            .bind(users.iter().map(|u| u.tenant).collect::<Vec<_>>())
-            .bind(users.iter().map(|u| u.user).collect::<Vec<_>>())
-            .bind(users.iter().map(|u| u.messages).collect::<Vec<_>>())
-            .bind(users.iter().map(|u| u.appends).collect::<Vec<_>>())
-            .bind(users.iter().map(|u| u.at.to_datetime()).collect::<Vec<_>>())
-            .bind(message_slots)
-            .bind(positions)
-            .bind(bodies)
-            .bind(digests)
+            .bind(fold.users.iter().map(|u| u.tenant).collect::<Vec<_>>())
+            .bind(fold.users.iter().map(|u| u.user).collect::<Vec<_>>())
+            .bind(fold.users.iter().map(|u| u.messages).collect::<Vec<_>>())
+            .bind(fold.users.iter().map(|u| u.appends).collect::<Vec<_>>())
+            .bind(
+                fold.users
+                    .iter()
+                    .map(|u| u.at.to_datetime())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                fold.messages
+                    .iter()
+                    .map(|m| slot_number(m.slot))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(fold.messages.iter().map(|m| m.place).collect::<Vec<_>>())
+            .bind(
+                fold.messages
+                    .iter()
+                    .map(|m| m.message.body())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                fold.messages
+                    .iter()
+                    .map(|m| m.message.digest().to_vec())
+                    .collect::<Vec<_>>(),
+            )
             .fetch_all(conn)
             .await?;
-        let mut by_slot: Vec<Option<FoldedCounters>> = users.iter().map(|_| None).collect();
+        let mut finals: Vec<Option<Final>> = vec![None; fold.users.len()];
         for row in rows {
             let slot = usize::try_from(row.slot - 1)
                 .ok()
-                .filter(|s| *s < users.len());
-            let slot = slot.ok_or_else(|| StoreError::Corrupt(format!("slot {}", row.slot)))?;
-            by_slot[slot] = Some(row);
+                .and_then(|slot| finals.get_mut(slot))
+                .ok_or_else(|| StoreError::Corrupt(format!("slot {}", row.slot)))?;
+            *slot = Some(row.after);
         }
-        places
-            .into_iter()
-            .map(|(slot, through, place)| {
-                let row = by_slot[slot].as_ref().ok_or_else(|| {
-                    StoreError::Corrupt("a user of the batch was not written".into())
-                })?;
-                Ok(row.of(&users[slot], through, place))
-            })
-            .collect()
+        fold.counters(&finals)
     }
 
     const SHARED_WRITER: bool = false;
@@ -327,39 +308,12 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
     }
 }
 
-/// A user of a batch, its appends folded together.
-struct Folded<'a> {
-    tenant: &'a str,
-    user: &'a str,
-    /// Messages, and appends, of this user in the batch.
-    messages: i64,
-    appends: i64,
-    /// The latest time any of them was stamped with.
-    at: Timestamp,
-}
-
-/// The counters each append of a batch leaves, as if they had run one
-/// after another, from what one `APPEND_MANY` returned for their user:
-/// `(slot, messages through it, its place among its user's appends)`.
+/// A user's counters after a batch, as `APPEND_MANY` returns them.
 #[derive(FromRow)]
-struct FoldedCounters {
+struct SlotFinal {
     slot: i64,
-    last_seq: i64,
-    version: i64,
-    message_count: i64,
-    last_created_at: Timestamp,
-}
-
-impl FoldedCounters {
-    fn of(&self, user: &Folded, through: i64, place: i64) -> Counters {
-        Counters {
-            last_seq: self.last_seq - user.messages + through,
-            version: self.version - user.appends + place,
-            message_count: self.message_count - user.messages + through,
-            last_created_at: self.last_created_at,
-            transcript_digest: None,
-        }
-    }
+    #[sqlx(flatten)]
+    after: Final,
 }
 
 /// The bodies and digests of `messages`, as two parallel arrays.

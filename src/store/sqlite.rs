@@ -20,7 +20,8 @@ use sqlx::sqlite::{
 };
 use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 
-use super::batch::PageBack;
+use super::batch::{Append, PageBack};
+use super::fold::{Final, Fold};
 use super::sql::{Counters, Dialect, PageRow, SqlStore};
 use super::{db_count, pool_options, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
@@ -126,6 +127,78 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
 
     const SHARED_WRITER: bool = true;
 
+    /// The users' counters in one upsert per 100 users and the messages in
+    /// one insert per 500: the single writer runs a handful of statements
+    /// per batch rather than two per append.
+    async fn append_many(
+        conn: &mut SqliteConnection,
+        prepared: bool,
+        appends: &[&Append],
+    ) -> Result<Vec<Counters>, StoreError> {
+        if let [a] = appends {
+            let counters =
+                Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?;
+            return Ok(vec![counters]);
+        }
+        let fold = Fold::new(appends);
+        let mut finals: Vec<Option<Final>> = vec![None; fold.users.len()];
+        for users in fold.users.chunks(UPSERT_CHUNK) {
+            let sql = upsert_users_sql(users.len());
+            let mut upsert = sqlx::query_as::<_, (String, String, i64, i64, i64, Timestamp)>(&sql);
+            for user in users {
+                upsert = upsert
+                    .bind(user.tenant)
+                    .bind(user.user)
+                    .bind(user.messages)
+                    .bind(user.appends)
+                    .bind(user.at);
+            }
+            for (tenant, user, last_seq, version, message_count, last_created_at) in
+                upsert.fetch_all(&mut *conn).await?
+            {
+                let slot = fold
+                    .slot(&tenant, &user)
+                    .and_then(|slot| finals.get_mut(slot))
+                    .ok_or_else(|| StoreError::Corrupt("an upsert of another user".into()))?;
+                *slot = Some(Final {
+                    last_seq,
+                    version,
+                    message_count,
+                    last_created_at,
+                });
+            }
+        }
+        let firsts = fold.first_seqs(&finals);
+        for rows in fold.messages.chunks(INSERT_CHUNK) {
+            let sql = insert_sql(rows.len(), 1, 6, |p| {
+                format!(
+                    "(${p}, ${}, ${}, ${}, ${}, ${})",
+                    p + 1,
+                    p + 2,
+                    p + 3,
+                    p + 4,
+                    p + 5
+                )
+            });
+            let mut insert = sqlx::query(&sql);
+            for row in rows {
+                let user = &fold.users[row.slot];
+                let at = finals[row.slot]
+                    .as_ref()
+                    .map_or(user.at, |after| after.last_created_at);
+                insert = insert
+                    .bind(user.tenant)
+                    .bind(user.user)
+                    .bind(firsts[row.slot] + row.place - 1)
+                    .bind(at)
+                    .bind(row.message.body())
+                    .bind(row.message.digest().to_vec());
+            }
+            insert.execute(&mut *conn).await?;
+        }
+        fold.counters(&finals)
+    }
+
     /// Reads run beside each other on the read-only connections, each in
     /// sqlx's worker thread of its own: batching them would serialize them.
     const READS_MANY: bool = false;
@@ -212,9 +285,50 @@ ON CONFLICT (tenant, user_id) DO UPDATE SET
 RETURNING last_seq, version, last_created_at, message_count, transcript_digest
 "#;
 
-/// `INSERT … VALUES` for `rows` messages of one user ($1 tenant, $2
-/// user_id): `row(p)` is the tuple of one row, whose `per_row` parameters
-/// start at $p; the first row's start at $`first`.
+/// Users per multi-row upsert: 5 bound values each.
+const UPSERT_CHUNK: usize = 100;
+
+/// `UPSERT_USER` for `users` users at once, `$1`..`$5` the first one's
+/// tenant, user, messages, appends and time, and so on; it returns each
+/// user's counters with its key.
+fn upsert_users_sql(users: usize) -> String {
+    let mut sql = String::from(
+        "INSERT INTO chat_users \
+         (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at) VALUES ",
+    );
+    for i in 0..users {
+        let p = 1 + 5 * i;
+        if i > 0 {
+            sql.push(',');
+        }
+        sql.push_str(&format!(
+            "(${p}, ${}, ${}, ${}, ${}, ${}, ${})",
+            p + 1,
+            p + 2,
+            p + 3,
+            p + 2,
+            p + 4,
+            p + 4
+        ));
+    }
+    sql.push_str(
+        " ON CONFLICT (tenant, user_id) DO UPDATE SET
+            last_seq = last_seq + excluded.last_seq,
+            version = version + excluded.version,
+            message_count = message_count + excluded.message_count,
+            transcript_digest = NULL,
+            last_created_at = max(last_created_at, excluded.last_created_at),
+            oldest_at = CASE WHEN message_count = 0
+                THEN max(last_created_at, excluded.last_created_at)
+                ELSE oldest_at END
+          RETURNING tenant, user_id, last_seq, version, message_count, last_created_at",
+    );
+    sql
+}
+
+/// `INSERT … VALUES` for `rows` messages: `row(p)` is the tuple of one
+/// row, whose `per_row` parameters start at $p; the first row's start at
+/// $`first` (those before it are shared by every row: tenant, user).
 fn insert_sql(rows: usize, first: usize, per_row: usize, row: impl Fn(usize) -> String) -> String {
     let mut sql = String::from(
         "INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest) VALUES ",
