@@ -209,15 +209,6 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
         prepared: bool,
         appends: &[&Append],
     ) -> Result<Vec<Counters>, StoreError> {
-        if let [a] = appends {
-            // One user's key: the statement Citus routes to one shard.
-            let counters =
-                Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?;
-            return Ok(vec![counters]);
-        }
-        if appends.is_empty() {
-            return Ok(Vec::new());
-        }
         let fold = Fold::new(appends);
         let rows: Vec<SlotFinal> = sqlx::query_as(APPEND_MANY)
             .persistent(prepared)

@@ -116,21 +116,15 @@ pub trait Dialect: Database + HasStatementCache {
         messages: &[NewMessage],
     ) -> Result<(), StoreError>;
 
-    /// [`Dialect::append`] for each of `appends`, in order, in the caller's
-    /// write (or, where `ONE_STATEMENT_APPEND`, as one statement): the
-    /// counters each would have read had they run one after another.
+    /// [`Dialect::append`] for each of two or more `appends`, in order, in
+    /// the caller's write (or, where `ONE_STATEMENT_APPEND`, as one
+    /// statement): the counters each would have read had they run one after
+    /// another (see `fold.rs`).
     async fn append_many(
         conn: &mut Self::Connection,
         prepared: bool,
         appends: &[&Append],
-    ) -> Result<Vec<Counters>, StoreError> {
-        let mut counters = Vec::with_capacity(appends.len());
-        for a in appends {
-            counters
-                .push(Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?);
-        }
-        Ok(counters)
-    }
+    ) -> Result<Vec<Counters>, StoreError>;
 
     /// Whether every write shares one connection (SQLite's single
     /// writer), which a batching task must then not keep between batches.
@@ -446,7 +440,7 @@ where
         if DB::ONE_STATEMENT_APPEND && plain.len() == batch.len() {
             // One statement: atomic on its own, one round trip for all.
             let mut session = self.session_on(conn).await?;
-            let counters = DB::append_many(session.conn(), self.prepared, &plain).await?;
+            let counters = self.append_plain(session.conn(), &plain).await?;
             session.done().await?;
             return plain
                 .iter()
@@ -469,7 +463,7 @@ where
                 .unwrap_or(Timestamp::from_micros(0));
             DB::lock_users(&mut tx, self.prepared, &users, floor).await?;
         }
-        let counters = DB::append_many(&mut tx, self.prepared, &plain).await?;
+        let counters = self.append_plain(&mut tx, &plain).await?;
         let mut written = plain.iter().zip(counters);
         let mut outcomes = Vec::with_capacity(batch.len());
         for a in batch {
@@ -485,6 +479,25 @@ where
         }
         tx.commit().await?;
         Ok(outcomes)
+    }
+
+    /// The plain appends of a batch: `APPEND` alone for one (on Postgres
+    /// the statement Citus routes to one shard), the dialect's
+    /// `append_many` for more.
+    async fn append_plain(
+        &self,
+        conn: &mut DB::Connection,
+        plain: &[&Append],
+    ) -> Result<Vec<Counters>, StoreError> {
+        match plain {
+            [] => Ok(Vec::new()),
+            [a] => {
+                let counters =
+                    DB::append(conn, self.prepared, &a.tenant, &a.user, &a.messages, a.now).await?;
+                Ok(vec![counters])
+            }
+            _ => DB::append_many(conn, self.prepared, plain).await,
+        }
     }
 
     /// One append in a write of its own: with neither a cap nor a key, and

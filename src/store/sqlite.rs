@@ -132,14 +132,9 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
     /// per batch rather than two per append.
     async fn append_many(
         conn: &mut SqliteConnection,
-        prepared: bool,
+        _prepared: bool,
         appends: &[&Append],
     ) -> Result<Vec<Counters>, StoreError> {
-        if let [a] = appends {
-            let counters =
-                Self::append(conn, prepared, &a.tenant, &a.user, &a.messages, a.now).await?;
-            return Ok(vec![counters]);
-        }
         let fold = Fold::new(appends);
         let mut finals: Vec<Option<Final>> = vec![None; fold.users.len()];
         for users in fold.users.chunks(UPSERT_CHUNK) {
