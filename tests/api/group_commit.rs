@@ -507,16 +507,19 @@ async fn a_shared_commit_that_loses_its_connection_fails_every_member_and_stores
             .await
         })
     };
-    let sleeping = "SELECT pid FROM pg_stat_activity WHERE wait_event = 'PgSleep'
+    // A sleeping statement, by its backend and its start: through PgBouncer
+    // the shared commit may run on the very backend the first one used.
+    let sleeping = "SELECT pid, query_start::text FROM pg_stat_activity
+                    WHERE wait_event = 'PgSleep'
                     AND datname = current_database() AND pid <> pg_backend_pid()";
     let deadline = Instant::now() + Duration::from_secs(10);
-    let first_pid: i32 = loop {
-        if let Some(pid) = sqlx::query_scalar(sleeping)
+    let (first_pid, first_start): (i32, String) = loop {
+        if let Some(first) = sqlx::query_as(sleeping)
             .fetch_optional(&mut admin)
             .await
             .unwrap()
         {
-            break pid;
+            break first;
         }
         assert!(Instant::now() < deadline, "the first commit never started");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -548,11 +551,11 @@ async fn a_shared_commit_that_loses_its_connection_fails_every_member_and_stores
         .await
         .unwrap();
     let batch_pid: i32 = loop {
-        let pid: Option<i32> = sqlx::query_scalar(sleeping)
+        let now: Option<(i32, String)> = sqlx::query_as(sleeping)
             .fetch_optional(&mut admin)
             .await
             .unwrap();
-        if let Some(pid) = pid.filter(|pid| *pid != first_pid) {
+        if let Some((pid, _)) = now.filter(|(_, start)| *start != first_start) {
             break pid;
         }
         assert!(Instant::now() < deadline, "the shared commit never started");
