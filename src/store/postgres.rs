@@ -212,35 +212,15 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
         let fold = Fold::new(appends);
         let rows: Vec<SlotFinal> = sqlx::query_as(APPEND_MANY)
             .persistent(prepared)
-            .bind(fold.users.iter().map(|u| u.tenant).collect::<Vec<_>>())
-            .bind(fold.users.iter().map(|u| u.user).collect::<Vec<_>>())
-            .bind(fold.users.iter().map(|u| u.messages).collect::<Vec<_>>())
-            .bind(fold.users.iter().map(|u| u.appends).collect::<Vec<_>>())
-            .bind(
-                fold.users
-                    .iter()
-                    .map(|u| u.at.to_datetime())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                fold.messages
-                    .iter()
-                    .map(|m| slot_number(m.slot))
-                    .collect::<Vec<_>>(),
-            )
-            .bind(fold.messages.iter().map(|m| m.place).collect::<Vec<_>>())
-            .bind(
-                fold.messages
-                    .iter()
-                    .map(|m| m.message.body())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(
-                fold.messages
-                    .iter()
-                    .map(|m| m.message.digest().to_vec())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(column(&fold.users, |u| u.tenant))
+            .bind(column(&fold.users, |u| u.user))
+            .bind(column(&fold.users, |u| u.messages))
+            .bind(column(&fold.users, |u| u.appends))
+            .bind(column(&fold.users, |u| u.at.to_datetime()))
+            .bind(column(&fold.messages, |m| slot_number(m.slot)))
+            .bind(column(&fold.messages, |m| m.place))
+            .bind(column(&fold.messages, |m| m.message.body()))
+            .bind(column(&fold.messages, |m| m.message.digest().to_vec()))
             .fetch_all(conn)
             .await?;
         let mut finals: Vec<Option<Final>> = vec![None; fold.users.len()];
@@ -264,10 +244,10 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
     ) -> Result<Vec<Vec<PageRow>>, StoreError> {
         let rows: Vec<(i64, i64, Timestamp, String)> = sqlx::query_as(PAGES_BACK)
             .persistent(prepared)
-            .bind(reads.iter().map(|r| r.tenant.as_str()).collect::<Vec<_>>())
-            .bind(reads.iter().map(|r| r.user.as_str()).collect::<Vec<_>>())
-            .bind(reads.iter().map(|r| r.below).collect::<Vec<_>>())
-            .bind(reads.iter().map(|r| r.fetch).collect::<Vec<_>>())
+            .bind(column(reads, |r| r.tenant.as_str()))
+            .bind(column(reads, |r| r.user.as_str()))
+            .bind(column(reads, |r| r.below))
+            .bind(column(reads, |r| r.fetch))
             .fetch_all(conn)
             .await?;
         let mut pages: Vec<Vec<PageRow>> = reads.iter().map(|_| Vec::new()).collect();
@@ -315,46 +295,12 @@ fn columns(messages: &[NewMessage]) -> (Vec<&str>, Vec<Vec<u8>>) {
         .unzip()
 }
 
-/// One statement: upserts the user's counters (which locks its row) and
-/// inserts the batch `$5`/`$6` after its last `seq`.
-const APPEND: &str = r#"
-WITH u AS (
-    INSERT INTO chat_users AS u
-        (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
-    VALUES ($1, $2, $3, 1, $3, $4, $4)
-    ON CONFLICT (tenant, user_id) DO UPDATE SET
-        last_seq = u.last_seq + EXCLUDED.last_seq,
-        version = u.version + 1,
-        message_count = u.message_count + EXCLUDED.message_count,
-        transcript_digest = NULL,
-        last_created_at = GREATEST(u.last_created_at, EXCLUDED.last_created_at),
-        oldest_at = CASE WHEN u.message_count = 0
-            THEN GREATEST(u.last_created_at, EXCLUDED.last_created_at)
-            ELSE u.oldest_at END
-    RETURNING u.last_seq, u.version, u.last_created_at, u.message_count, u.transcript_digest
-), inserted AS (
-    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
-    SELECT $1, $2, u.last_seq - $3 + m.ord, u.last_created_at, m.body, m.digest
-    FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
-)
-SELECT last_seq, version, last_created_at, message_count, transcript_digest FROM u
-"#;
-
-/// `APPEND` for many users in one statement: `$1`..`$5` one entry per user
-/// (tenant, user, its messages, its appends, its time), `$6`..`$9` one per
-/// message (its user's slot in `$1`, from 1; its place among that user's
-/// messages, from 1; body; digest). Users are locked in key order ("C", as
-/// every key compares), so that two batches never wait for each other in a
-/// cycle; each user's counters move once, by all its appends together.
-const APPEND_MANY: &str = r#"
-WITH batch AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::timestamptz[])
-        WITH ORDINALITY AS b(tenant, user_id, n, appends, at, slot)
-), u AS (
-    INSERT INTO chat_users AS u
-        (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
-    SELECT tenant, user_id, n, appends, n, at, at FROM batch
-    ORDER BY tenant COLLATE "C", user_id COLLATE "C"
+/// What an append does to a user that exists, in `APPEND` and
+/// `APPEND_MANY`: the new values row (`EXCLUDED`) carries the messages and
+/// appends added (`message_count`, `version`) and their time.
+macro_rules! bump_counters {
+    () => {
+        r#"
     ON CONFLICT (tenant, user_id) DO UPDATE SET
         last_seq = u.last_seq + EXCLUDED.last_seq,
         version = u.version + EXCLUDED.version,
@@ -364,7 +310,49 @@ WITH batch AS (
         oldest_at = CASE WHEN u.message_count = 0
             THEN GREATEST(u.last_created_at, EXCLUDED.last_created_at)
             ELSE u.oldest_at END
-    RETURNING u.tenant, u.user_id, u.last_seq, u.version, u.last_created_at, u.message_count
+"#
+    };
+}
+
+/// One statement: upserts the user's counters (which locks its row) and
+/// inserts the batch `$5`/`$6` after its last `seq`.
+const APPEND: &str = concat!(
+    r#"
+WITH u AS (
+    INSERT INTO chat_users AS u
+        (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
+    VALUES ($1, $2, $3, 1, $3, $4, $4)
+"#,
+    bump_counters!(),
+    r#"    RETURNING u.last_seq, u.version, u.last_created_at, u.message_count, u.transcript_digest
+), inserted AS (
+    INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+    SELECT $1, $2, u.last_seq - $3 + m.ord, u.last_created_at, m.body, m.digest
+    FROM u, unnest($5::text[], $6::bytea[]) WITH ORDINALITY AS m(body, digest, ord)
+)
+SELECT last_seq, version, last_created_at, message_count, transcript_digest FROM u
+"#
+);
+
+/// `APPEND` for many users in one statement: `$1`..`$5` one entry per user
+/// (tenant, user, its messages, its appends, its time), `$6`..`$9` one per
+/// message (its user's slot in `$1`, from 1; its place among that user's
+/// messages, from 1; body; digest). Users are locked in key order ("C", as
+/// every key compares), so that two batches never wait for each other in a
+/// cycle; each user's counters move once, by all its appends together.
+const APPEND_MANY: &str = concat!(
+    r#"
+WITH batch AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::timestamptz[])
+        WITH ORDINALITY AS b(tenant, user_id, n, appends, at, slot)
+), u AS (
+    INSERT INTO chat_users AS u
+        (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
+    SELECT tenant, user_id, n, appends, n, at, at FROM batch
+    ORDER BY tenant COLLATE "C", user_id COLLATE "C"
+"#,
+    bump_counters!(),
+    r#"    RETURNING u.tenant, u.user_id, u.last_seq, u.version, u.last_created_at, u.message_count
 ), placed AS (
     SELECT b.slot, b.n, u.* FROM batch b JOIN u ON u.tenant = b.tenant AND u.user_id = b.user_id
 ), inserted AS (
@@ -374,7 +362,8 @@ WITH batch AS (
     JOIN placed p ON p.slot = m.slot
 )
 SELECT slot, last_seq, version, message_count, last_created_at FROM placed
-"#;
+"#
+);
 
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
 /// user `$1`/`$2`, slot by slot (from 1), each slot newest first. Each
@@ -434,4 +423,10 @@ impl<'r> Decode<'r, Postgres> for Timestamp {
             Postgres,
         >>::decode(value)?))
     }
+}
+
+/// One array parameter of a statement that takes a batch as arrays: `of`
+/// each item, in order.
+fn column<'a, T, U>(items: &'a [T], of: impl Fn(&'a T) -> U) -> Vec<U> {
+    items.iter().map(of).collect()
 }

@@ -262,23 +262,39 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
     }
 }
 
+/// The head of an upsert of users' counters; one row of values per user
+/// follows.
+macro_rules! upsert_users_head {
+    () => {
+        "INSERT INTO chat_users \
+         (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at) VALUES "
+    };
+}
+
+/// What an append does to a user that exists: its values row carries the
+/// messages and appends added (`message_count`, `version`) and their time.
+macro_rules! upsert_users_bump {
+    () => {
+        " ON CONFLICT (tenant, user_id) DO UPDATE SET
+            last_seq = last_seq + excluded.last_seq,
+            version = version + excluded.version,
+            message_count = message_count + excluded.message_count,
+            transcript_digest = NULL,
+            last_created_at = max(last_created_at, excluded.last_created_at),
+            oldest_at = CASE WHEN message_count = 0
+                THEN max(last_created_at, excluded.last_created_at)
+                ELSE oldest_at END"
+    };
+}
+
 /// Postgres's append CTE has no SQLite twin (a CTE cannot write there), so
 /// the counters are bumped first and the rows inserted after.
-const UPSERT_USER: &str = r#"
-INSERT INTO chat_users
-    (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at)
-VALUES ($1, $2, $3, 1, $3, $4, $4)
-ON CONFLICT (tenant, user_id) DO UPDATE SET
-    last_seq = last_seq + excluded.last_seq,
-    version = version + 1,
-    message_count = message_count + excluded.message_count,
-    transcript_digest = NULL,
-    last_created_at = max(last_created_at, excluded.last_created_at),
-    oldest_at = CASE WHEN message_count = 0
-        THEN max(last_created_at, excluded.last_created_at)
-        ELSE oldest_at END
-RETURNING last_seq, version, last_created_at, message_count, transcript_digest
-"#;
+const UPSERT_USER: &str = concat!(
+    upsert_users_head!(),
+    "($1, $2, $3, 1, $3, $4, $4)",
+    upsert_users_bump!(),
+    " RETURNING last_seq, version, last_created_at, message_count, transcript_digest"
+);
 
 /// Users per multi-row upsert: 5 bound values each.
 const UPSERT_CHUNK: usize = 100;
@@ -287,10 +303,7 @@ const UPSERT_CHUNK: usize = 100;
 /// tenant, user, messages, appends and time, and so on; it returns each
 /// user's counters with its key.
 fn upsert_users_sql(users: usize) -> String {
-    let mut sql = String::from(
-        "INSERT INTO chat_users \
-         (tenant, user_id, last_seq, version, message_count, last_created_at, oldest_at) VALUES ",
-    );
+    let mut sql = String::from(upsert_users_head!());
     for i in 0..users {
         let p = 1 + 5 * i;
         if i > 0 {
@@ -306,18 +319,10 @@ fn upsert_users_sql(users: usize) -> String {
             p + 4
         ));
     }
-    sql.push_str(
-        " ON CONFLICT (tenant, user_id) DO UPDATE SET
-            last_seq = last_seq + excluded.last_seq,
-            version = version + excluded.version,
-            message_count = message_count + excluded.message_count,
-            transcript_digest = NULL,
-            last_created_at = max(last_created_at, excluded.last_created_at),
-            oldest_at = CASE WHEN message_count = 0
-                THEN max(last_created_at, excluded.last_created_at)
-                ELSE oldest_at END
-          RETURNING tenant, user_id, last_seq, version, message_count, last_created_at",
-    );
+    sql.push_str(concat!(
+        upsert_users_bump!(),
+        " RETURNING tenant, user_id, last_seq, version, message_count, last_created_at"
+    ));
     sql
 }
 
