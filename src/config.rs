@@ -310,7 +310,7 @@ pub struct Config {
 
     /// Appends written in one shared commit, at most (at most 10000). Appends
     /// that arrive while a commit is in flight share the next one; 1 commits
-    /// each append alone.
+    /// each append alone and reads each user's page alone (for Citus).
     #[arg(
         long,
         env = "CHAT_HISTORY_COMMIT_BATCH",

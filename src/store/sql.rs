@@ -342,7 +342,9 @@ where
 {
     /// The store, its appends (and, where the dialect reads many pages in
     /// one statement, its page reads) served in batches by tasks of its own
-    /// (see `batch.rs`); with `commit_batch` at 1 each append commits alone.
+    /// (see `batch.rs`). With `commit_batch` at 1 each append commits alone
+    /// and reads are not coalesced either: every statement then names one
+    /// user, as a sharded Postgres (Citus) needs.
     pub(super) fn with_batching(mut self, commit_batch: usize) -> Self {
         let store = Arc::new(self.clone());
         // Lanes keep their connections only where the pools can spare them:
@@ -372,7 +374,7 @@ where
                 lanes: 1,
             },
         );
-        let pages = DB::READS_MANY.then(|| {
+        let pages = (DB::READS_MANY && commit_batch > 1).then(|| {
             Batcher::start(
                 Server {
                     kind: "read",

@@ -17,7 +17,7 @@ use axum::http::StatusCode;
 use chat_history::domain::{
     AppendOutcome, Appended, Idempotency, NewMessage, Tenant, Timestamp, UserId,
 };
-use chat_history::store::Store;
+use chat_history::store::{ConnectOptions, DatabaseUrl, Store};
 use serde_json::{json, Value};
 use sqlx::{Connection, Executor};
 use tokio::task::JoinSet;
@@ -704,4 +704,71 @@ async fn kill_9_during_coalesced_load_loses_no_acknowledged_message(backend: Bac
         acknowledged.len(),
         found.len()
     );
+}
+
+/// `CHAT_HISTORY_COMMIT_BATCH=1` (the setting for Citus) also turns read
+/// coalescing off: four reads stopped by a lock are four single-user
+/// statements waiting, not two lanes with the rest queued behind them.
+#[tokio::test]
+async fn with_commit_batch_one_every_read_is_its_own_statement() {
+    use chat_history::domain::HistoryQuery;
+    let db = TestDb::new(Backend::Postgres).await;
+    db.store().await.close().await;
+    let options = ConnectOptions {
+        commit_batch: 1,
+        ..ConnectOptions::default()
+    };
+    let store = chat_history::store::connect(&DatabaseUrl::new(&db.url), options)
+        .await
+        .unwrap();
+    let mut admin = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
+    admin.execute("BEGIN").await.unwrap();
+    admin
+        .execute("LOCK TABLE chat_messages IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    let mut readers = JoinSet::new();
+    for user in 0..4 {
+        let store = store.clone();
+        readers.spawn(async move {
+            let query = HistoryQuery {
+                limit: 20,
+                not_before: None,
+                before: None,
+                after: None,
+            };
+            let user = UserId::parse(format!("r{user}")).unwrap();
+            store
+                .history_window(&Tenant::default_tenant(), &user, query)
+                .await
+                .unwrap()
+        });
+    }
+    let mut observer = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
+    let waiting = "SELECT query FROM pg_stat_activity
+                   WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let statements: Vec<String> = loop {
+        let now: Vec<String> = sqlx::query_scalar(waiting)
+            .fetch_all(&mut observer)
+            .await
+            .unwrap();
+        if now.len() == 4 {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "4 reads should wait as 4 statements; waiting: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        statements.iter().all(|q| !q.contains("unnest")),
+        "{statements:?}"
+    );
+    admin.execute("COMMIT").await.unwrap();
+    while let Some(page) = readers.join_next().await {
+        assert!(page.unwrap().messages.is_empty());
+    }
+    store.close().await;
 }
