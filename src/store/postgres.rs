@@ -287,6 +287,12 @@ struct SlotFinal {
     after: Final,
 }
 
+/// One array parameter of a statement that takes a batch as arrays: `of`
+/// each item, in order.
+fn column<'a, T, U>(items: &'a [T], of: impl Fn(&'a T) -> U) -> Vec<U> {
+    items.iter().map(of).collect()
+}
+
 /// The bodies and digests of `messages`, as two parallel arrays.
 fn columns(messages: &[NewMessage]) -> (Vec<&str>, Vec<Vec<u8>>) {
     messages
@@ -423,10 +429,4 @@ impl<'r> Decode<'r, Postgres> for Timestamp {
             Postgres,
         >>::decode(value)?))
     }
-}
-
-/// One array parameter of a statement that takes a batch as arrays: `of`
-/// each item, in order.
-fn column<'a, T, U>(items: &'a [T], of: impl Fn(&'a T) -> U) -> Vec<U> {
-    items.iter().map(of).collect()
 }
