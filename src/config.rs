@@ -94,6 +94,7 @@ pub mod maximum {
     pub const MAX_IN_FLIGHT_BODY_BYTES: usize = 64 << 30;
     pub const DB_MAX_CONNECTIONS: u64 = 1_000;
     pub const COMMIT_BATCH: u64 = 10_000;
+    pub const WORKER_THREADS: u64 = 1_024;
     pub const MAX_CONNECTIONS: u64 = 1_000_000;
     pub const MAX_IN_FLIGHT: u64 = 1_000_000;
     /// Retention and the default window: a century.
@@ -320,6 +321,17 @@ pub struct Config {
     )]
     pub commit_batch: Count,
 
+    /// Threads that serve requests (at most 1024). Default: tokio's own
+    /// `TOKIO_WORKER_THREADS` when it holds such a count, else one per CPU
+    /// this process may use.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_WORKER_THREADS",
+        value_parser = Count::parser(maximum::WORKER_THREADS),
+        global = true
+    )]
+    pub worker_threads: Option<Count>,
+
     /// API keys, comma-separated `tenant:role:key` entries (role `user` or
     /// `admin`). With keys, every /v1 request needs `Authorization: Bearer <key>`.
     #[arg(
@@ -381,6 +393,7 @@ impl fmt::Debug for Config {
             .field("max_in_flight", &self.max_in_flight)
             .field("db_max_connections", &self.db_max_connections)
             .field("commit_batch", &self.commit_batch)
+            .field("worker_threads", &self.worker_threads)
             .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
             .field("api_keys_file", &self.api_keys_file)
             .field("allow_unauthenticated", &self.allow_unauthenticated)
@@ -635,6 +648,38 @@ impl Count {
     }
 }
 
+/// How many threads serve requests: the setting, else tokio's own
+/// `TOKIO_WORKER_THREADS` when it holds a count from 1 to 1024, else `cpus`.
+/// tokio would panic at start-up on any other value of its variable (`0`,
+/// `abc`) or try to start that many threads (`99999999`); here such a value
+/// is passed over with the warning returned.
+pub fn worker_threads(
+    setting: Option<Count>,
+    tokio_variable: Option<OsString>,
+    cpus: usize,
+) -> (usize, Option<String>) {
+    if let Some(Count(n)) = setting {
+        return (to_usize(n), None);
+    }
+    let Some(value) = tokio_variable else {
+        return (cpus.max(1), None);
+    };
+    let parsed = value.to_str().and_then(|v| v.trim().parse::<u64>().ok());
+    match parsed {
+        Some(n) if (1..=maximum::WORKER_THREADS).contains(&n) => (to_usize(n), None),
+        _ => (
+            cpus.max(1),
+            Some(format!(
+                "TOKIO_WORKER_THREADS={} is not a thread count from 1 to {}; it is passed over, \
+                 and {} threads serve requests (CHAT_HISTORY_WORKER_THREADS sets them)",
+                value.to_string_lossy(),
+                maximum::WORKER_THREADS,
+                cpus.max(1)
+            )),
+        ),
+    }
+}
+
 /// A size in bytes: `8388608`, `512KiB`, `8MiB`, `1GiB`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub usize);
@@ -711,6 +756,7 @@ mod tests {
             ("--max-messages-per-user", "18446744073709551615"),
             ("--max-messages-per-user", "100000001"),
             ("--max-batch", "10001"),
+            ("--worker-threads", "1025"),
             ("--max-transcript-messages", "1000001"),
             ("--max-body-bytes", "2GiB"),
             ("--max-in-flight-body-bytes", "65GiB"),
@@ -912,5 +958,28 @@ mod tests {
             let shown = format!("{config:?}");
             assert!(!shown.contains("hunter"), "{shown}");
         }
+    }
+
+    #[test]
+    fn a_tokio_worker_threads_that_tokio_would_panic_on_is_passed_over() {
+        let tokio = |v: &str| Some(OsString::from(v));
+        assert_eq!(worker_threads(None, None, 2), (2, None));
+        assert_eq!(worker_threads(None, tokio("3"), 2), (3, None));
+        assert_eq!(worker_threads(Some(Count(1)), tokio("abc"), 2), (1, None));
+        for bad in ["0", "abc", "99999999", "-1", ""] {
+            let (threads, warning) = worker_threads(None, tokio(bad), 2);
+            assert_eq!(threads, 2, "{bad}");
+            let warning = warning.unwrap_or_default();
+            assert!(
+                warning.starts_with(&format!("TOKIO_WORKER_THREADS={bad} is not")),
+                "{warning}"
+            );
+        }
+        assert_eq!(worker_threads(None, None, 0), (1, None));
+        assert!(config(&["--worker-threads", "0"]).is_err());
+        assert_eq!(
+            config(&["--worker-threads", "4"]).unwrap().worker_threads,
+            Some(Count(4))
+        );
     }
 }

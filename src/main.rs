@@ -5,7 +5,8 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use chat_history::config::{check_environment, environment_source, Cli, Command};
+use chat_history::config::{check_environment, environment_source, worker_threads, Cli, Command};
+use chat_history::store::{unused_client_certificate, CLIENT_CERTIFICATE_VARIABLES};
 use chat_history::{openapi_json, server, telemetry, transfer};
 
 /// mimalloc: a request allocates and frees many small buffers from two
@@ -39,10 +40,27 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     telemetry::init(cli.config.log_format);
-    for warning in warnings {
+    let certificate_warning = pass_over_an_unused_client_certificate();
+    // The thread count is always given to tokio, which otherwise reads
+    // TOKIO_WORKER_THREADS itself and panics on a value it cannot use.
+    let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let (threads, threads_warning) = worker_threads(
+        cli.config.worker_threads,
+        std::env::var_os("TOKIO_WORKER_THREADS"),
+        cpus,
+    );
+    for warning in warnings
+        .into_iter()
+        .chain(certificate_warning)
+        .chain(threads_warning)
+    {
         tracing::warn!("{warning}");
     }
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .enable_all()
+        .build();
+    let runtime = match runtime {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -67,4 +85,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// sqlx reads `PGSSLCERT` and `PGSSLKEY` and refuses every connection when
+/// they are a pair libpq would not use (a key alone, a certificate file that
+/// is not there), where libpq connects without a client certificate. Such a
+/// pair is taken out of the environment, with a warning, before any thread
+/// starts (nothing else reads the environment at the same time).
+fn pass_over_an_unused_client_certificate() -> Option<String> {
+    let [cert, key] = CLIENT_CERTIFICATE_VARIABLES
+        .map(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()));
+    let warning = unused_client_certificate(cert.as_deref(), key.as_deref(), |path| {
+        std::path::Path::new(path).exists()
+    })?;
+    for name in CLIENT_CERTIFICATE_VARIABLES {
+        std::env::remove_var(name);
+    }
+    Some(warning)
 }

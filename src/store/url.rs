@@ -80,6 +80,38 @@ impl PostgresUrl {
     }
 }
 
+/// libpq's client certificate variables, as sqlx reads them whatever the
+/// URL says: `(PGSSLCERT, PGSSLKEY)`.
+pub const CLIENT_CERTIFICATE_VARIABLES: [&str; 2] = ["PGSSLCERT", "PGSSLKEY"];
+
+/// Whether `PGSSLCERT` and `PGSSLKEY` (`cert`, `key`) are a pair that libpq
+/// would not use: no certificate, or one whose file is not there. libpq then
+/// connects without a client certificate; sqlx instead refuses every
+/// connection ("user auth key and certs must be given together", or a bare
+/// "No such file or directory"). When they are such a pair, the warning to
+/// give on passing over both.
+pub fn unused_client_certificate(
+    cert: Option<&str>,
+    key: Option<&str>,
+    exists: impl Fn(&str) -> bool,
+) -> Option<String> {
+    let cert = cert.filter(|c| !c.is_empty());
+    match (cert, key) {
+        (None, None) => None,
+        (None, Some(_)) => Some(
+            "PGSSLKEY is set without PGSSLCERT: it is passed over and no client certificate \
+             is sent, as libpq does"
+                .to_string(),
+        ),
+        (Some(cert), _) if !exists(cert) => Some(format!(
+            "PGSSLCERT names {cert:?}, which does not exist: it is passed over{} and no client \
+             certificate is sent, as libpq does",
+            if key.is_some() { " with PGSSLKEY" } else { "" }
+        )),
+        (Some(_), _) => None,
+    }
+}
+
 /// A `DATABASE_URL`.
 #[derive(Clone)]
 pub struct DatabaseUrl(SecretString);
@@ -271,6 +303,34 @@ mod tests {
             "postgres://app@db/chat?sslmode=require"
         );
         assert_eq!(parts.pool_mode, PoolMode::Session);
+    }
+
+    #[test]
+    fn a_client_certificate_that_libpq_would_not_use_is_passed_over() {
+        let exists = |path: &str| path == "/there.crt";
+        assert_eq!(unused_client_certificate(None, None, exists), None);
+        assert_eq!(
+            unused_client_certificate(Some("/there.crt"), Some("/k"), exists),
+            None
+        );
+        // With a certificate but no key, libpq refuses too: left to sqlx.
+        assert_eq!(
+            unused_client_certificate(Some("/there.crt"), None, exists),
+            None
+        );
+        for (cert, key, says) in [
+            (None, Some("/k"), "PGSSLKEY is set without PGSSLCERT"),
+            (Some(""), Some("/k"), "PGSSLKEY is set without PGSSLCERT"),
+            (
+                Some("/gone.crt"),
+                None,
+                "PGSSLCERT names \"/gone.crt\", which does not exist",
+            ),
+            (Some("/gone.crt"), Some("/k"), "passed over with PGSSLKEY"),
+        ] {
+            let warning = unused_client_certificate(cert, key, exists).unwrap_or_default();
+            assert!(warning.contains(says), "{cert:?} {key:?}: {warning}");
+        }
     }
 
     #[test]

@@ -4,7 +4,7 @@
 use std::ffi::OsString;
 use std::process::Command;
 
-use crate::support::Replica;
+use crate::support::{Backend, Replica, TestDb};
 
 fn run(envs: &[(&str, &str)], args: &[&str]) -> (i32, String) {
     let output = Command::new(env!("CARGO_BIN_EXE_chat-history"))
@@ -66,6 +66,64 @@ fn an_unknown_chat_history_variable_is_a_warning_and_kubernetes_links_pass_silen
     drop(replica);
     for suffix in ["", "-wal", "-shm"] {
         let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+    }
+}
+
+/// tokio reads `TOKIO_WORKER_THREADS` itself and panics on `0` or `abc`
+/// (and tries to start 99999999 threads): the service starts anyway,
+/// with a warning that names the variable.
+#[test]
+fn a_tokio_worker_threads_that_tokio_cannot_use_does_not_stop_start_up() {
+    for (n, value) in ["0", "abc", "99999999"].into_iter().enumerate() {
+        let db = std::env::temp_dir().join(format!(
+            "chat-history-threads-{}-{n}.db",
+            std::process::id()
+        ));
+        let url = format!("sqlite://{}", db.display());
+        let replica = Replica::start_with(&url, &[("TOKIO_WORKER_THREADS", value)]);
+        assert_eq!(replica.http("GET", "/readyz", None).0, 200, "{value}");
+        let logs = replica.logs.lock().unwrap().clone();
+        assert!(
+            logs.contains(&format!(
+                "TOKIO_WORKER_THREADS={value} is not a thread count"
+            )),
+            "{value}: {logs}"
+        );
+        drop(replica);
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+        }
+    }
+}
+
+/// sqlx refuses every connection when `PGSSLKEY` is set alone or
+/// `PGSSLCERT` names a file that is not there; libpq connects without a
+/// client certificate then, and so does the service, saying so.
+#[tokio::test]
+async fn client_certificate_variables_that_libpq_would_pass_over_do_not_stop_start_up() {
+    let db = TestDb::new(Backend::Postgres).await;
+    for (envs, says) in [
+        (
+            &[("PGSSLKEY", "/nonexistent/client.key")][..],
+            "PGSSLKEY is set without PGSSLCERT",
+        ),
+        (
+            &[
+                ("PGSSLCERT", "/nonexistent/client.crt"),
+                ("PGSSLKEY", "/nonexistent/client.key"),
+            ][..],
+            "/nonexistent/client.crt\\\", which does not exist: it is passed over with PGSSLKEY",
+        ),
+    ] {
+        let replica = Replica::start_with(&db.url, envs);
+        let (status, body) = replica.http(
+            "POST",
+            "/v1/users/certless/messages",
+            Some(&serde_json::json!({"messages": [{"role": "user", "content": "hi"}]})),
+        );
+        assert_eq!(status, 201, "{envs:?}: {body}");
+        let logs = replica.logs.lock().unwrap().clone();
+        assert!(logs.contains(says), "{envs:?}: {logs}");
     }
 }
 
