@@ -5,7 +5,8 @@ Plays, against a real `BINARY serve` process on 127.0.0.1, the attacks that
 SPEC.md's "Limits that protect every caller" and "Configuration" sections
 say one caller (or one odd environment) must not win: metrics label
 explosion, slow and idle connections, connection floods, huge transcripts,
-number-heavy bodies, Kubernetes and non-UTF-8 environments, absurd caps and
+number-heavy bodies, Kubernetes and non-UTF-8 environments, variables the
+libraries underneath read (tokio's, libpq's), absurd caps and
 passwords leaking into logs. Each attack prints a figure and checks it
 against what the fixed service must do.
 
@@ -795,6 +796,33 @@ def attack_huge_cap(run):
     return Result(figure, ok)
 
 
+def attack_library_env(run):
+    """Variables that the libraries under the service read for themselves:
+    tokio panics on a TOKIO_WORKER_THREADS it cannot use (or starts that
+    many threads), and sqlx refuses every connection over a client
+    certificate that libpq would pass over. Neither stops start-up: each is
+    a warning naming the variable."""
+    url = run.database_url()
+    parts, ok = [], True
+    for label, extra, says in (
+        ("TOKIO_WORKER_THREADS=0", {"TOKIO_WORKER_THREADS": "0"}, "TOKIO_WORKER_THREADS=0"),
+        ("=abc", {"TOKIO_WORKER_THREADS": "abc"}, "TOKIO_WORKER_THREADS=abc"),
+        ("=99999999", {"TOKIO_WORKER_THREADS": "99999999"}, "TOKIO_WORKER_THREADS=99999999"),
+        ("PGSSLKEY alone", {"PGSSLKEY": "/nonexistent/client.key"}, "PGSSLKEY is set"),
+        ("PGSSLCERT not there", {"PGSSLCERT": "/nonexistent/client.crt",
+                                 "PGSSLKEY": "/nonexistent/client.key"}, "PGSSLCERT names"),
+    ):
+        srv = run.server(ready=False, env={"DATABASE_URL": url, **extra})
+        outcome = wait_start_or_exit(srv, 15)
+        srv.stop()
+        err = srv.stderr()
+        warned, panicked = says in err, "panicked" in err
+        parts.append(f"{label}: {outcome}{'' if warned else ', no warning'}"
+                     f"{' PANIC' if panicked else ''}")
+        ok &= outcome == "ready" and warned and not panicked
+    return Result("; ".join(parts), ok)
+
+
 LEAK_URLS = [
     "postgres://app@127.0.0.1:1/chat?password=S3CRETzq1",
     "postgres://app:S3CRETzq2@127.0.0.1:1/chat",
@@ -846,6 +874,7 @@ ATTACKS = {
     "kubernetes-env": (attack_kubernetes_env, False, 40),
     "non-utf8-env": (attack_non_utf8_env, False, 60),
     "huge-cap": (attack_huge_cap, False, 40),
+    "library-env": (attack_library_env, True, 120),
     "password-leak": (attack_password_leak, False, 40),
 }
 
