@@ -6,7 +6,9 @@ use std::process::ExitCode;
 use clap::Parser;
 
 use chat_history::config::{check_environment, environment_source, worker_threads, Cli, Command};
-use chat_history::store::{unused_client_certificate, CLIENT_CERTIFICATE_VARIABLES};
+use chat_history::store::{
+    certificate_file, unused_client_certificate, CLIENT_CERTIFICATE_VARIABLES,
+};
 use chat_history::{openapi_json, server, telemetry, transfer};
 
 /// mimalloc: a request allocates and frees many small buffers from two
@@ -39,8 +41,15 @@ fn main() -> ExitCode {
         print!("{}", openapi_json());
         return ExitCode::SUCCESS;
     }
+    // Before anything that could start a thread (the environment is not
+    // to be changed while another thread may read it).
+    let mut urls = vec![&cli.config.database_url];
+    if let Command::Copy(copy) = &command {
+        urls.extend([&copy.from, &copy.to]);
+    }
+    let certificate_warning =
+        pass_over_an_unused_client_certificate(urls.iter().any(|u| u.names_client_certificate()));
     telemetry::init(cli.config.log_format);
-    let certificate_warning = pass_over_an_unused_client_certificate();
     // The thread count is always given to tokio, which otherwise reads
     // TOKIO_WORKER_THREADS itself and panics on a value it cannot use.
     let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
@@ -87,17 +96,21 @@ fn main() -> ExitCode {
     }
 }
 
-/// sqlx reads `PGSSLCERT` and `PGSSLKEY` and refuses every connection when
-/// they are a pair libpq would not use (a key alone, a certificate file that
-/// is not there), where libpq connects without a client certificate. Such a
-/// pair is taken out of the environment, with a warning, before any thread
-/// starts (nothing else reads the environment at the same time).
-fn pass_over_an_unused_client_certificate() -> Option<String> {
+/// sqlx reads `PGSSLCERT` and `PGSSLKEY` and refuses every TLS connection
+/// when they are a pair libpq would not use (see `unused_client_certificate`),
+/// where libpq connects without a client certificate. Such a pair is taken
+/// out of the environment, with a warning to log. Called before any thread
+/// exists: `remove_var` is only sound while no other thread may read the
+/// environment (edition 2024 makes it `unsafe` for that reason).
+fn pass_over_an_unused_client_certificate(url_names_one: bool) -> Option<String> {
     let [cert, key] = CLIENT_CERTIFICATE_VARIABLES
         .map(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()));
-    let warning = unused_client_certificate(cert.as_deref(), key.as_deref(), |path| {
-        std::path::Path::new(path).exists()
-    })?;
+    let warning = unused_client_certificate(
+        cert.as_deref(),
+        key.as_deref(),
+        url_names_one,
+        certificate_file,
+    )?;
     for name in CLIENT_CERTIFICATE_VARIABLES {
         std::env::remove_var(name);
     }

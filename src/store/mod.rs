@@ -31,7 +31,10 @@ use crate::domain::{
 pub use postgres::PostgresStore;
 pub use sql::SqlStore;
 pub use sqlite::SqliteStore;
-pub use url::{unused_client_certificate, DatabaseUrl, PoolMode, CLIENT_CERTIFICATE_VARIABLES};
+pub use url::{
+    certificate_file, unused_client_certificate, DatabaseUrl, PoolMode,
+    CLIENT_CERTIFICATE_VARIABLES,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -84,31 +84,66 @@ impl PostgresUrl {
 /// URL says: `(PGSSLCERT, PGSSLKEY)`.
 pub const CLIENT_CERTIFICATE_VARIABLES: [&str; 2] = ["PGSSLCERT", "PGSSLKEY"];
 
+/// What a `PGSSLCERT` value is, as far as passing it over goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CertificateFile {
+    /// A file that is there, PEM text itself (sqlx takes that too), or a
+    /// path that cannot be looked at for another reason (libpq refuses then).
+    Usable,
+    /// A path where nothing is (not found, or a parent that is not a folder).
+    NotThere,
+}
+
 /// Whether `PGSSLCERT` and `PGSSLKEY` (`cert`, `key`) are a pair that libpq
-/// would not use: no certificate, or one whose file is not there. libpq then
-/// connects without a client certificate; sqlx instead refuses every
-/// connection ("user auth key and certs must be given together", or a bare
-/// "No such file or directory"). When they are such a pair, the warning to
-/// give on passing over both.
+/// would not use while sqlx refuses every TLS connection over them ("user
+/// auth key and certs must be given together", or a bare "No such file or
+/// directory"): a key alone (sqlx, unlike libpq, has no default certificate
+/// in ~/.postgresql), an empty certificate, or a certificate file that is
+/// not there (libpq then sends no certificate). When they are such a pair,
+/// the warning to give on passing over both. A URL that names a client
+/// certificate or key of its own (`url_names_one`) is left to the driver.
 pub fn unused_client_certificate(
     cert: Option<&str>,
     key: Option<&str>,
-    exists: impl Fn(&str) -> bool,
+    url_names_one: bool,
+    look: impl Fn(&str) -> CertificateFile,
 ) -> Option<String> {
-    let cert = cert.filter(|c| !c.is_empty());
+    if url_names_one {
+        return None;
+    }
+    let pem = |c: &str| c.trim_start().starts_with("-----BEGIN");
     match (cert, key) {
         (None, None) => None,
         (None, Some(_)) => Some(
-            "PGSSLKEY is set without PGSSLCERT: it is passed over and no client certificate \
-             is sent, as libpq does"
+            "PGSSLKEY is set without PGSSLCERT: it is passed over, and no client certificate \
+             is sent"
                 .to_string(),
         ),
-        (Some(cert), _) if !exists(cert) => Some(format!(
-            "PGSSLCERT names {cert:?}, which does not exist: it is passed over{} and no client \
-             certificate is sent, as libpq does",
+        (Some(""), _) => Some(format!(
+            "PGSSLCERT is empty: it is passed over{}, and no client certificate is sent",
+            if key.is_some() { " with PGSSLKEY" } else { "" }
+        )),
+        (Some(cert), _) if !pem(cert) && look(cert) == CertificateFile::NotThere => Some(format!(
+            "PGSSLCERT names {cert:?}, where there is no file: it is passed over{}, and no \
+                 client certificate is sent, as libpq does",
             if key.is_some() { " with PGSSLKEY" } else { "" }
         )),
         (Some(_), _) => None,
+    }
+}
+
+/// [`CertificateFile`] of a path, as libpq tells them apart.
+pub fn certificate_file(path: &str) -> CertificateFile {
+    match std::fs::metadata(path) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory
+            ) =>
+        {
+            CertificateFile::NotThere
+        }
+        _ => CertificateFile::Usable,
     }
 }
 
@@ -124,6 +159,14 @@ impl DatabaseUrl {
     /// The URL itself, for the driver only.
     pub(super) fn expose(&self) -> &str {
         self.0.expose_secret()
+    }
+
+    /// Whether the URL names a client certificate or key of its own.
+    pub fn names_client_certificate(&self) -> bool {
+        Url::parse(self.expose()).is_ok_and(|url| {
+            url.query_pairs()
+                .any(|(k, _)| matches!(&*k, "sslcert" | "ssl-cert" | "sslkey" | "ssl-key"))
+        })
     }
 
     pub fn is_postgres(&self) -> bool {
@@ -307,30 +350,57 @@ mod tests {
 
     #[test]
     fn a_client_certificate_that_libpq_would_not_use_is_passed_over() {
-        let exists = |path: &str| path == "/there.crt";
-        assert_eq!(unused_client_certificate(None, None, exists), None);
-        assert_eq!(
-            unused_client_certificate(Some("/there.crt"), Some("/k"), exists),
-            None
-        );
+        let look = |path: &str| {
+            if path == "/gone.crt" {
+                CertificateFile::NotThere
+            } else {
+                CertificateFile::Usable
+            }
+        };
+        let unused = |cert, key, url| unused_client_certificate(cert, key, url, look);
+        assert_eq!(unused(None, None, false), None);
+        assert_eq!(unused(Some("/there.crt"), Some("/k"), false), None);
         // With a certificate but no key, libpq refuses too: left to sqlx.
+        assert_eq!(unused(Some("/there.crt"), None, false), None);
+        // PEM text is a certificate to sqlx, whatever the file system says.
         assert_eq!(
-            unused_client_certificate(Some("/there.crt"), None, exists),
+            unused(Some("-----BEGIN CERTIFICATE-----\nMII"), None, false),
             None
         );
+        // A URL with a certificate (or key) of its own decides.
+        assert_eq!(unused(None, Some("/k"), true), None);
+        assert_eq!(unused(Some("/gone.crt"), Some("/k"), true), None);
         for (cert, key, says) in [
             (None, Some("/k"), "PGSSLKEY is set without PGSSLCERT"),
-            (Some(""), Some("/k"), "PGSSLKEY is set without PGSSLCERT"),
+            (
+                Some(""),
+                Some("/k"),
+                "PGSSLCERT is empty: it is passed over with PGSSLKEY",
+            ),
+            (Some(""), None, "PGSSLCERT is empty: it is passed over,"),
             (
                 Some("/gone.crt"),
                 None,
-                "PGSSLCERT names \"/gone.crt\", which does not exist",
+                "PGSSLCERT names \"/gone.crt\", where there is no file",
             ),
             (Some("/gone.crt"), Some("/k"), "passed over with PGSSLKEY"),
         ] {
-            let warning = unused_client_certificate(cert, key, exists).unwrap_or_default();
+            let warning = unused(cert, key, false).unwrap_or_default();
             assert!(warning.contains(says), "{cert:?} {key:?}: {warning}");
         }
+        assert_eq!(
+            certificate_file("/nonexistent/x.crt"),
+            CertificateFile::NotThere
+        );
+        assert_eq!(
+            certificate_file("/etc/hostname/x.crt"),
+            CertificateFile::NotThere
+        );
+        assert_eq!(certificate_file("/"), CertificateFile::Usable);
+        assert!(
+            DatabaseUrl::new("postgres://h/d?sslmode=require&sslkey=/k").names_client_certificate()
+        );
+        assert!(!DatabaseUrl::new("postgres://h/d?sslmode=require").names_client_certificate());
     }
 
     #[test]

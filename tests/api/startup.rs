@@ -96,12 +96,14 @@ fn a_tokio_worker_threads_that_tokio_cannot_use_does_not_stop_start_up() {
     }
 }
 
-/// sqlx refuses every connection when `PGSSLKEY` is set alone or
+/// sqlx refuses every TLS connection when `PGSSLKEY` is set alone or
 /// `PGSSLCERT` names a file that is not there; libpq connects without a
-/// client certificate then, and so does the service, saying so.
+/// client certificate then, and so does the service, saying so. The
+/// server directly, with TLS required: the variables matter only over TLS.
 #[tokio::test]
 async fn client_certificate_variables_that_libpq_would_pass_over_do_not_stop_start_up() {
     let db = TestDb::new(Backend::Postgres).await;
+    let url = format!("{}?sslmode=require", db.direct_url);
     for (envs, says) in [
         (
             &[("PGSSLKEY", "/nonexistent/client.key")][..],
@@ -112,10 +114,10 @@ async fn client_certificate_variables_that_libpq_would_pass_over_do_not_stop_sta
                 ("PGSSLCERT", "/nonexistent/client.crt"),
                 ("PGSSLKEY", "/nonexistent/client.key"),
             ][..],
-            "/nonexistent/client.crt\\\", which does not exist: it is passed over with PGSSLKEY",
+            "/nonexistent/client.crt\\\", where there is no file: it is passed over with PGSSLKEY",
         ),
     ] {
-        let replica = Replica::start_with(&db.url, envs);
+        let replica = Replica::start_with(&url, envs);
         let (status, body) = replica.http(
             "POST",
             "/v1/users/certless/messages",
