@@ -658,23 +658,23 @@ pub fn worker_threads(
     tokio_variable: Option<OsString>,
     cpus: usize,
 ) -> (usize, Option<String>) {
+    let cpus = cpus.max(1);
     if let Some(Count(n)) = setting {
         return (to_usize(n), None);
     }
     let Some(value) = tokio_variable else {
-        return (cpus.max(1), None);
+        return (cpus, None);
     };
     let parsed = value.to_str().and_then(|v| v.trim().parse::<u64>().ok());
     match parsed {
         Some(n) if (1..=maximum::WORKER_THREADS).contains(&n) => (to_usize(n), None),
         _ => (
-            cpus.max(1),
+            cpus,
             Some(format!(
                 "TOKIO_WORKER_THREADS={} is not a thread count from 1 to {}; it is passed over, \
-                 and {} threads serve requests (CHAT_HISTORY_WORKER_THREADS sets them)",
+                 and {cpus} threads serve requests (CHAT_HISTORY_WORKER_THREADS sets them)",
                 value.to_string_lossy(),
                 maximum::WORKER_THREADS,
-                cpus.max(1)
             )),
         ),
     }

@@ -13,7 +13,7 @@ use url::Url;
 const REDACTED: &str = "***";
 
 /// The libpq parameters sqlx understands in a Postgres URL, with
-/// `FILE_PARAMETERS`; any other is dropped before sqlx sees it (sqlx would
+/// the file parameters below; any other is dropped before sqlx sees it (sqlx would
 /// log its value, which may be a secret such as `sslpassword`).
 const POSTGRES_PARAMETERS: &[&str] = &[
     "sslmode",
@@ -54,16 +54,13 @@ pub(super) struct PostgresUrl {
 }
 
 /// The parameters sqlx understands whose value is a file it reads when it
-/// connects.
-const FILE_PARAMETERS: &[&str] = &[
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
-];
+/// connects: a CA to trust, and a client certificate or its key.
+const ROOT_CERTIFICATE_PARAMETERS: &[&str] = &["sslrootcert", "ssl-root-cert", "ssl-ca"];
+const CLIENT_CERTIFICATE_PARAMETERS: &[&str] = &["sslcert", "ssl-cert", "sslkey", "ssl-key"];
+
+fn is_file_parameter(name: &str) -> bool {
+    ROOT_CERTIFICATE_PARAMETERS.contains(&name) || CLIENT_CERTIFICATE_PARAMETERS.contains(&name)
+}
 
 impl PostgresUrl {
     /// A clear error for a named file that cannot be read, now, rather than
@@ -112,6 +109,7 @@ pub fn unused_client_certificate(
         return None;
     }
     let pem = |c: &str| c.trim_start().starts_with("-----BEGIN");
+    let with_key = if key.is_some() { " with PGSSLKEY" } else { "" };
     match (cert, key) {
         (None, None) => None,
         (None, Some(_)) => Some(
@@ -120,13 +118,11 @@ pub fn unused_client_certificate(
                 .to_string(),
         ),
         (Some(""), _) => Some(format!(
-            "PGSSLCERT is empty: it is passed over{}, and no client certificate is sent",
-            if key.is_some() { " with PGSSLKEY" } else { "" }
+            "PGSSLCERT is empty: it is passed over{with_key}, and no client certificate is sent"
         )),
         (Some(cert), _) if !pem(cert) && look(cert) == CertificateFile::NotThere => Some(format!(
-            "PGSSLCERT names {cert:?}, where there is no file: it is passed over{}, and no \
-                 client certificate is sent, as libpq does",
-            if key.is_some() { " with PGSSLKEY" } else { "" }
+            "PGSSLCERT names {cert:?}, where there is no file: it is passed over{with_key}, and \
+             no client certificate is sent, as libpq does"
         )),
         (Some(_), _) => None,
     }
@@ -165,7 +161,7 @@ impl DatabaseUrl {
     pub fn names_client_certificate(&self) -> bool {
         Url::parse(self.expose()).is_ok_and(|url| {
             url.query_pairs()
-                .any(|(k, _)| matches!(&*k, "sslcert" | "ssl-cert" | "sslkey" | "ssl-key"))
+                .any(|(k, _)| CLIENT_CERTIFICATE_PARAMETERS.contains(&&*k))
         })
     }
 
@@ -217,7 +213,7 @@ impl DatabaseUrl {
                         ))
                     }
                 };
-            } else if FILE_PARAMETERS.contains(&&*k) {
+            } else if is_file_parameter(&k) {
                 files.push((k.clone().into_owned(), v.clone().into_owned()));
                 known.push((k.into_owned(), v.into_owned()));
             } else if POSTGRES_PARAMETERS.contains(&&*k) || k.starts_with("options[") {

@@ -38,12 +38,11 @@ fn a_malformed_flag_names_the_flag() {
     );
 }
 
-#[test]
-fn an_unknown_chat_history_variable_is_a_warning_and_kubernetes_links_pass_silently() {
-    let db = std::env::temp_dir().join(format!("chat-history-startup-{}.db", std::process::id()));
-    let url = format!("sqlite://{}", db.display());
+#[tokio::test]
+async fn an_unknown_chat_history_variable_is_a_warning_and_kubernetes_links_pass_silently() {
+    let db = TestDb::new(Backend::Sqlite).await;
     let replica = Replica::start_with(
-        &url,
+        &db.url,
         &[
             ("CHAT_HISTORY_RETENSION", "1d"),
             ("CHAT_HISTORY_SERVICE_HOST", "10.0.0.1"),
@@ -63,24 +62,16 @@ fn an_unknown_chat_history_variable_is_a_warning_and_kubernetes_links_pass_silen
         !logs.contains("SERVICE_HOST") && !logs.contains("PORT_8080"),
         "{logs}"
     );
-    drop(replica);
-    for suffix in ["", "-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
-    }
 }
 
 /// tokio reads `TOKIO_WORKER_THREADS` itself and panics on `0` or `abc`
 /// (and tries to start 99999999 threads): the service starts anyway,
 /// with a warning that names the variable.
-#[test]
-fn a_tokio_worker_threads_that_tokio_cannot_use_does_not_stop_start_up() {
-    for (n, value) in ["0", "abc", "99999999"].into_iter().enumerate() {
-        let db = std::env::temp_dir().join(format!(
-            "chat-history-threads-{}-{n}.db",
-            std::process::id()
-        ));
-        let url = format!("sqlite://{}", db.display());
-        let replica = Replica::start_with(&url, &[("TOKIO_WORKER_THREADS", value)]);
+#[tokio::test]
+async fn a_tokio_worker_threads_that_tokio_cannot_use_does_not_stop_start_up() {
+    for value in ["0", "abc", "99999999"] {
+        let db = TestDb::new(Backend::Sqlite).await;
+        let replica = Replica::start_with(&db.url, &[("TOKIO_WORKER_THREADS", value)]);
         assert_eq!(replica.http("GET", "/readyz", None).0, 200, "{value}");
         let logs = replica.logs.lock().unwrap().clone();
         assert!(
@@ -89,10 +80,6 @@ fn a_tokio_worker_threads_that_tokio_cannot_use_does_not_stop_start_up() {
             )),
             "{value}: {logs}"
         );
-        drop(replica);
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
-        }
     }
 }
 
