@@ -18,7 +18,7 @@ use sqlx::encode::IsNull;
 use sqlx::error::BoxDynError;
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgArgumentBuffer, PgConnectOptions, PgQueryResult, PgTypeInfo, PgValueRef};
-use sqlx::{Connection, Decode, Encode, FromRow, PgConnection, Pool, Postgres, Type};
+use sqlx::{Connection, Decode, Encode, Executor, FromRow, PgConnection, Pool, Postgres, Type};
 
 use super::batch::{Append, PageBack};
 use super::fold::{slot_number, Final, Fold};
@@ -44,11 +44,35 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
     if !prepared {
         connect = connect.statement_cache_capacity(0);
     }
+    let mut pool = pool_options::<Postgres>(options.max_connections, &options);
+    if prepared {
+        pool = pool.after_connect(|conn, _| {
+            Box::pin(async move { plan_once(conn.execute(PLAN_ONCE).await) })
+        });
+    }
     // Lazily, so that the service can start before its database.
-    let pool =
-        pool_options::<Postgres>(options.max_connections, &options).connect_lazy_with(connect);
+    let pool = pool.connect_lazy_with(connect);
     Ok(SqlStore::new(pool, None, prepared, options.max_connections)
         .with_batching(options.commit_batch))
+}
+
+/// Tells a new session to plan each named statement once, for any values.
+/// Left to itself, Postgres plans a named statement for its values on each
+/// of its first five runs, and on every run one that takes a batch as
+/// arrays (a plan for arrays of unknown length looks dearer to it than one
+/// for the lengths at hand), which costs about as much as running it. Ours
+/// are all lookups by a user's key, which one plan serves. Behind a pooler
+/// in transaction mode the session is not ours to set, and statements are
+/// unnamed, planned on each run anyway: this is not sent there.
+const PLAN_ONCE: &str = "SET plan_cache_mode = force_generic_plan";
+
+/// What `PLAN_ONCE` did: a server that does not know the setting (before
+/// Postgres 12) plans as it always did.
+fn plan_once(set: Result<PgQueryResult, sqlx::Error>) -> Result<(), sqlx::Error> {
+    match set {
+        Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42704") => Ok(()),
+        other => other.map(drop),
+    }
 }
 
 #[async_trait]
@@ -258,6 +282,10 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
                 .ok_or_else(|| StoreError::Corrupt(format!("slot {slot}")))?;
             page.push((seq, at, body));
         }
+        for page in &mut pages {
+            // Newest first; as the server read them, this only checks.
+            page.sort_unstable_by_key(|&(seq, _, _)| std::cmp::Reverse(seq));
+        }
         Ok(pages)
     }
 
@@ -372,8 +400,10 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 );
 
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
-/// user `$1`/`$2`, slot by slot (from 1), each slot newest first. Each
-/// user's rows are one index range, as `PAGE_BACK` reads them.
+/// user `$1`/`$2`, with the slot (from 1) of the read each row is for. Each
+/// user's rows are one index range, as `PAGE_BACK` reads them. The rows
+/// come in no promised order: `pages_back_many` puts them in theirs, which
+/// costs it less than a sort on the server.
 const PAGES_BACK: &str = r#"
 SELECT b.slot, m.seq, m.created_at, m.message
 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[])
@@ -382,7 +412,6 @@ CROSS JOIN LATERAL (
     SELECT seq, created_at, message FROM chat_messages
     WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
     ORDER BY seq DESC LIMIT b.n) m
-ORDER BY b.slot, m.seq DESC
 "#;
 
 /// `LOCK_USER` for the users `$1`/`$2`, in key order, creating missing

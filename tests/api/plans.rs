@@ -82,9 +82,13 @@ fn scans(plan: &Value, found: &mut Vec<(String, String, String)>) {
     }
 }
 
-#[tokio::test]
-async fn per_user_statements_scan_only_that_users_key_range() {
-    let db = TestDb::new(Backend::Postgres).await;
+/// The service's router on a store whose every statement's plan
+/// auto_explain sends as a notice, and where those notices are collected
+/// (while the returned guard lives).
+async fn explained(
+    db: &TestDb,
+    limits: Limits,
+) -> (axum::Router, Plans, tracing::subscriber::DefaultGuard) {
     let options = "-c session_preload_libraries=auto_explain -c auto_explain.log_min_duration=0 \
                    -c auto_explain.log_level=notice -c auto_explain.log_format=json \
                    -c auto_explain.log_nested_statements=on -c enable_seqscan=off";
@@ -100,16 +104,38 @@ async fn per_user_statements_scan_only_that_users_key_range() {
     store.migrate().await.expect("migrate");
     let app = router(AppState {
         store,
-        limits: Limits {
-            max_messages_per_user: Some(6),
-            ..Limits::default()
-        },
+        limits,
         access: Arc::new(Access::open()),
     });
-
     let plans = Plans::default();
-    let _guard =
+    let guard =
         tracing::subscriber::set_default(tracing_subscriber::registry().with(plans.clone()));
+    (app, plans, guard)
+}
+
+/// The JSON plans among `notices`.
+fn explained_plans(notices: &[String]) -> Vec<Value> {
+    notices
+        .iter()
+        .filter_map(|notice| {
+            let start = notice.find('{')?;
+            Some(
+                serde_json::from_str::<Value>(&notice[start..]).unwrap_or_else(|_| {
+                    panic!("an auto_explain notice that is not a JSON plan: {notice}")
+                }),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn per_user_statements_scan_only_that_users_key_range() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let limits = Limits {
+        max_messages_per_user: Some(6),
+        ..Limits::default()
+    };
+    let (app, plans, _guard) = explained(&db, limits).await;
 
     let send = |method: Method, uri: String, body: Option<Value>, headers: Vec<(&str, &str)>| {
         let app = app.clone();
@@ -272,13 +298,7 @@ async fn per_user_statements_scan_only_that_users_key_range() {
     let notices = plans.0.lock().unwrap().clone();
     let mut statements = 0;
     let mut user_scans = 0;
-    for notice in &notices {
-        let Some(start) = notice.find('{') else {
-            continue;
-        };
-        let Ok(explained) = serde_json::from_str::<Value>(&notice[start..]) else {
-            panic!("an auto_explain notice that is not a JSON plan: {notice}");
-        };
+    for explained in explained_plans(&notices) {
         statements += 1;
         let text = explained["Query Text"].as_str().unwrap_or_default();
         let mut found = Vec::new();
@@ -299,5 +319,46 @@ async fn per_user_statements_scan_only_that_users_key_range() {
     assert!(
         user_scans >= 18,
         "only {user_scans} scans of user tables were seen"
+    );
+}
+
+/// A named statement is planned once, for any values, from its first run
+/// on: Postgres would otherwise plan its first five runs for their values,
+/// and a statement that takes a batch as arrays on every run, which costs
+/// about as much as running it. A plan for the values at hand spells them
+/// out; a plan for any values names the parameters.
+#[tokio::test]
+async fn named_statements_are_planned_once_for_any_values() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let (app, plans, _guard) = explained(&db, Limits::default()).await;
+    let user = "/v1/users/planned-once";
+    let batch = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let steps = [
+        (Method::POST, format!("{user}/messages"), Some(batch)),
+        (Method::GET, format!("{user}/messages"), None),
+        (Method::GET, user.to_owned(), None),
+    ];
+    for (method, uri, body) in steps {
+        let req = request(method.clone(), &uri, body.map(|b| b.to_string()));
+        let status = app.clone().oneshot(req).await.unwrap().status();
+        assert!(status.is_success(), "{method} {uri}: {status}");
+    }
+    let notices = plans.0.lock().unwrap().clone();
+    let mut checked = 0;
+    for explained in explained_plans(&notices) {
+        let text = explained["Query Text"].as_str().unwrap_or_default();
+        if !text.contains("$2") {
+            continue;
+        }
+        checked += 1;
+        let plan = explained["Plan"].to_string();
+        assert!(
+            !plan.contains("planned-once"),
+            "a plan for the values at hand (the user id spelled out) of:\n{text}\n{plan}"
+        );
+    }
+    assert!(
+        checked >= 3,
+        "only {checked} statements with parameters were explained"
     );
 }
