@@ -94,6 +94,7 @@ pub mod maximum {
     pub const MAX_IN_FLIGHT_BODY_BYTES: usize = 64 << 30;
     pub const DB_MAX_CONNECTIONS: u64 = 1_000;
     pub const COMMIT_BATCH: u64 = 10_000;
+    pub const READ_CACHE_BYTES: usize = 64 << 30;
     pub const WORKER_THREADS: u64 = 1_024;
     pub const MAX_CONNECTIONS: u64 = 1_000_000;
     pub const MAX_IN_FLIGHT: u64 = 1_000_000;
@@ -321,6 +322,19 @@ pub struct Config {
     )]
     pub commit_batch: Count,
 
+    /// Postgres: the newest page of each user that reads found, kept to
+    /// check against the user's `version` in the next read's statement (a
+    /// page still current is not read again): bytes, or with KiB/MiB/GiB
+    /// (at most 64GiB), or `off`.
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_READ_CACHE_BYTES",
+        default_value = "64MiB",
+        value_parser = OrOff::parser(ByteSize::parser(maximum::READ_CACHE_BYTES)),
+        global = true
+    )]
+    pub read_cache_bytes: OrOff<ByteSize>,
+
     /// Threads that serve requests (at most 1024). Default: tokio's own
     /// `TOKIO_WORKER_THREADS` when it holds such a count, else one per CPU
     /// this process may use.
@@ -393,6 +407,7 @@ impl fmt::Debug for Config {
             .field("max_in_flight", &self.max_in_flight)
             .field("db_max_connections", &self.db_max_connections)
             .field("commit_batch", &self.commit_batch)
+            .field("read_cache_bytes", &self.read_cache_bytes)
             .field("worker_threads", &self.worker_threads)
             .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
             .field("api_keys_file", &self.api_keys_file)
@@ -480,6 +495,7 @@ impl Config {
         ConnectOptions {
             max_connections: u32::try_from(self.db_max_connections.0).unwrap_or(u32::MAX),
             commit_batch: to_usize(self.commit_batch.0),
+            read_cache_bytes: self.read_cache_bytes.0.map_or(0, |b| b.0),
             ..ConnectOptions::default()
         }
     }

@@ -185,6 +185,10 @@ fn describe_metrics() {
         "Requests served in batches, by kind; divided by chat_history_batches_total, the mean batch size."
     );
     describe_counter!(
+        "chat_history_read_cache_total",
+        "Postgres history reads by outcome (hit: the page kept was still current, so no messages were read; miss: they were)."
+    );
+    describe_counter!(
         "chat_history_batches_split_total",
         "Batches that failed for a reason other than the database going away, and were served one request at a time, by kind."
     );

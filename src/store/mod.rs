@@ -12,6 +12,7 @@
 mod batch;
 mod fold;
 mod postgres;
+mod recent;
 mod sql;
 mod sqlite;
 mod url;
@@ -155,6 +156,8 @@ pub struct ConnectOptions {
     pub acquire_timeout: Duration,
     /// Appends written in one shared commit, at most (1: each alone).
     pub commit_batch: usize,
+    /// What Postgres's recent pages may take, in bytes (0: none kept).
+    pub read_cache_bytes: usize,
 }
 
 impl Default for ConnectOptions {
@@ -163,6 +166,7 @@ impl Default for ConnectOptions {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(5),
             commit_batch: 256,
+            read_cache_bytes: 64 << 20,
         }
     }
 }

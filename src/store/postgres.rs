@@ -22,7 +22,8 @@ use sqlx::{Connection, Decode, Encode, Executor, FromRow, PgConnection, Pool, Po
 
 use super::batch::{Append, PageBack};
 use super::fold::{slot_number, Final, Fold};
-use super::sql::{Counters, Dialect, PageRow, SqlStore};
+use super::recent::Mark;
+use super::sql::{CheckedPage, Counters, Dialect, SqlStore};
 use super::{
     db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
 };
@@ -53,7 +54,7 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
     // Lazily, so that the service can start before its database.
     let pool = pool.connect_lazy_with(connect);
     Ok(SqlStore::new(pool, None, prepared, options.max_connections)
-        .with_batching(options.commit_batch))
+        .with_batching(options.commit_batch, options.read_cache_bytes))
 }
 
 /// Tells a new session to plan each named statement once, for any values.
@@ -265,26 +266,53 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
         conn: &mut PgConnection,
         prepared: bool,
         reads: &[PageBack],
-    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
-        let rows: Vec<(i64, i64, Timestamp, String)> = sqlx::query_as(PAGES_BACK)
+        known: &[Option<Mark>],
+    ) -> Result<Vec<CheckedPage>, StoreError> {
+        let rows: Vec<CheckedRow> = sqlx::query_as(PAGES_BACK)
             .persistent(prepared)
             .bind(column(reads, |r| r.tenant.as_str()))
             .bind(column(reads, |r| r.user.as_str()))
             .bind(column(reads, |r| r.below))
             .bind(column(reads, |r| r.fetch))
+            .bind(column(known, |k| k.map(|k| k.version)))
+            .bind(column(known, |k| k.map(|k| k.newest_at.to_datetime())))
             .fetch_all(conn)
             .await?;
-        let mut pages: Vec<Vec<PageRow>> = reads.iter().map(|_| Vec::new()).collect();
-        for (slot, seq, at, body) in rows {
-            let page = usize::try_from(slot - 1)
+        let mut pages: Vec<CheckedPage> = reads
+            .iter()
+            .map(|_| CheckedPage {
+                mark: None,
+                rows: Some(Vec::new()),
+            })
+            .collect();
+        for row in rows {
+            let slot = usize::try_from(row.slot - 1)
                 .ok()
-                .and_then(|slot| pages.get_mut(slot))
-                .ok_or_else(|| StoreError::Corrupt(format!("slot {slot}")))?;
-            page.push((seq, at, body));
+                .and_then(|slot| Some((slot, pages.get_mut(slot)?)));
+            let Some((slot, page)) = slot else {
+                return Err(StoreError::Corrupt(format!("slot {}", row.slot)));
+            };
+            page.mark = row
+                .version
+                .zip(row.newest_at)
+                .map(|(version, newest_at)| Mark { version, newest_at });
+            match (row.seq, row.created_at, row.message) {
+                (Some(seq), Some(at), Some(body)) => {
+                    if let Some(rows) = page.rows.as_mut() {
+                        rows.push((seq, at, body));
+                    }
+                }
+                // No message: the user has none below the read's `seq`,
+                // or its mark is still the one the read came with.
+                _ if page.mark.is_some() && page.mark == known[slot] => page.rows = None,
+                _ => {}
+            }
         }
         for page in &mut pages {
-            // Newest first; as the server read them, this only checks.
-            page.sort_unstable_by_key(|&(seq, _, _)| std::cmp::Reverse(seq));
+            if let Some(rows) = page.rows.as_mut() {
+                // Newest first; as the server read them, this only checks.
+                rows.sort_unstable_by_key(|&(seq, _, _)| std::cmp::Reverse(seq));
+            }
         }
         Ok(pages)
     }
@@ -400,19 +428,36 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 );
 
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
-/// user `$1`/`$2`, with the slot (from 1) of the read each row is for. Each
-/// user's rows are one index range, as `PAGE_BACK` reads them. The rows
-/// come in no promised order: `pages_back_many` puts them in theirs, which
-/// costs it less than a sort on the server.
+/// user `$1`/`$2`, with the slot (from 1) of the read each row is for and
+/// the user's mark (`version`, `last_created_at`). A read whose mark
+/// `$5`/`$6` is still the user's gets one row with its mark and no message:
+/// its messages are not read. Each user's rows are one index range, as
+/// `PAGE_BACK` reads them. The rows come in no promised order:
+/// `pages_back_many` puts them in theirs, which costs it less than a sort
+/// on the server.
 const PAGES_BACK: &str = r#"
-SELECT b.slot, m.seq, m.created_at, m.message
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[])
-    WITH ORDINALITY AS b(tenant, user_id, below, n, slot)
-CROSS JOIN LATERAL (
+SELECT b.slot, u.version, u.last_created_at AS newest_at, m.seq, m.created_at, m.message
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::timestamptz[])
+    WITH ORDINALITY AS b(tenant, user_id, below, n, known_version, known_at, slot)
+LEFT JOIN chat_users u ON u.tenant = b.tenant AND u.user_id = b.user_id
+LEFT JOIN LATERAL (
     SELECT seq, created_at, message FROM chat_messages
     WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
-    ORDER BY seq DESC LIMIT b.n) m
+        AND (b.known_version IS NULL OR u.version IS DISTINCT FROM b.known_version
+             OR u.last_created_at IS DISTINCT FROM b.known_at)
+    ORDER BY seq DESC LIMIT b.n) m ON true
 "#;
+
+/// A row of `PAGES_BACK`.
+#[derive(FromRow)]
+struct CheckedRow {
+    slot: i64,
+    version: Option<i64>,
+    newest_at: Option<Timestamp>,
+    seq: Option<i64>,
+    created_at: Option<Timestamp>,
+    message: Option<String>,
+}
 
 /// `LOCK_USER` for the users `$1`/`$2`, in key order, creating missing
 /// ones with no messages at `$3`.

@@ -20,6 +20,7 @@ use sqlx::{
 };
 
 use super::batch::{run_with, Append, Batcher, Limits, PageBack, Server};
+use super::recent::{Mark, RecentPages};
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
     saved, users_page, KeyRecord, MessageRecord, PoolStatus, RetentionReport, SeenKey, Store,
@@ -134,12 +135,15 @@ pub trait Dialect: Database + HasStatementCache {
     /// where not, reads are not batched.
     const READS_MANY: bool;
 
-    /// `PAGE_BACK` for each of `reads`, in one statement.
+    /// `PAGE_BACK` for each of `reads`, in one statement, with each user's
+    /// mark: a read that comes with the user's mark as it still is (`known`)
+    /// gets no rows, the page it holds being that one (see `recent.rs`).
     async fn pages_back_many(
         conn: &mut Self::Connection,
         prepared: bool,
         reads: &[PageBack],
-    ) -> Result<Vec<Vec<PageRow>>, StoreError>;
+        known: &[Option<Mark>],
+    ) -> Result<Vec<CheckedPage>, StoreError>;
 
     /// Locks the rows of `users` (in key order, each once), creating those
     /// missing with no messages and `floor` as their time: how a batch that
@@ -192,6 +196,14 @@ pub struct SqlStore<DB: Database> {
 
 /// A message as a page read returns it: `seq`, `created_at`, body.
 pub type PageRow = (i64, Timestamp, String);
+
+/// A page as `Dialect::pages_back_many` reads it: the user's mark (none
+/// for a user never written), and its rows, newest first, or none when the
+/// mark was still the one the read came with.
+pub struct CheckedPage {
+    pub mark: Option<Mark>,
+    pub rows: Option<Vec<PageRow>>,
+}
 
 /// Appends share commits; on a dialect that reads many users' pages in one
 /// statement, reads of the newest messages share statements.
@@ -345,7 +357,7 @@ where
     /// (see `batch.rs`). With `commit_batch` at 1 each append commits alone
     /// and reads are not coalesced either: every statement then names one
     /// user, as a sharded Postgres (Citus) needs.
-    pub(super) fn with_batching(mut self, commit_batch: usize) -> Self {
+    pub(super) fn with_batching(mut self, commit_batch: usize, read_cache_bytes: usize) -> Self {
         let store = Arc::new(self.clone());
         // Lanes keep their connections only where the pools can spare them:
         // never SQLite's one writer, and Postgres's from a pool of four up,
@@ -375,17 +387,19 @@ where
             },
         );
         let pages = (DB::READS_MANY && commit_batch > 1).then(|| {
+            let recent =
+                (read_cache_bytes > 0).then(|| Arc::new(RecentPages::new(read_cache_bytes)));
             Batcher::start(
                 Server {
                     kind: "read",
                     weight: |_: &PageBack| 1,
                     run: run_with(move |lane: &mut Lane<DB>, batch| {
-                        let store = store.clone();
+                        let (store, recent) = (store.clone(), recent.clone());
                         Box::pin(async move {
                             let pool = store.readers.as_ref().unwrap_or(&store.pool);
                             let conn = lane.conn(pool).await?;
                             let session = store.session_on(conn).await?;
-                            let pages = store.pages_back(session, batch).await;
+                            let pages = store.pages_back(session, batch, recent.as_deref()).await;
                             lane.release(pages.is_err(), keep_reader);
                             pages
                         })
@@ -402,24 +416,58 @@ where
         self
     }
 
-    /// Pages backwards for a batch of reads: one read is `PAGE_BACK`, as
-    /// ever; more are one statement of the dialect's for all of them.
+    /// Pages backwards for a batch of reads: one read with no `recent`
+    /// pages is `PAGE_BACK`, as ever; otherwise one statement of the
+    /// dialect's serves all of them, checking the pages `recent` holds.
     async fn pages_back(
         &self,
         mut session: Session<'_, DB>,
         batch: &[PageBack],
+        recent: Option<&RecentPages>,
     ) -> Result<Vec<Vec<PageRow>>, StoreError> {
-        let pages = match batch {
-            [one] => vec![
-                self.user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
-                    .bind(one.below)
-                    .bind(one.fetch)
-                    .fetch_all(session.conn())
-                    .await?,
-            ],
-            _ => DB::pages_back_many(session.conn(), self.prepared, batch).await?,
-        };
+        if let ([one], None) = (batch, recent) {
+            let rows = self
+                .user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
+                .bind(one.below)
+                .bind(one.fetch)
+                .fetch_all(session.conn())
+                .await?;
+            session.done().await?;
+            return Ok(vec![rows]);
+        }
+        let kept: Vec<_> = batch
+            .iter()
+            .map(|read| recent.and_then(|r| r.lookup(read)))
+            .collect();
+        let known: Vec<Option<Mark>> = kept.iter().map(|k| k.as_ref().map(|k| k.mark)).collect();
+        let checked = DB::pages_back_many(session.conn(), self.prepared, batch, &known).await?;
         session.done().await?;
+        let mut hits = 0;
+        let pages = batch
+            .iter()
+            .zip(kept)
+            .zip(checked)
+            .map(|((read, kept), page)| match (page.rows, kept) {
+                (Some(rows), _) => {
+                    if let Some((recent, mark)) = recent.zip(page.mark) {
+                        recent.keep(read, mark, &rows);
+                    }
+                    Ok(rows)
+                }
+                (None, Some(kept)) => {
+                    hits += 1;
+                    Ok(kept.page(read))
+                }
+                (None, None) => Err(StoreError::Corrupt(
+                    "a page read came back unread with no page kept for it".into(),
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if recent.is_some() {
+            metrics::counter!("chat_history_read_cache_total", "outcome" => "hit").increment(hits);
+            metrics::counter!("chat_history_read_cache_total", "outcome" => "miss")
+                .increment(batch.len() as u64 - hits);
+        }
         Ok(pages)
     }
 
@@ -1182,7 +1230,7 @@ where
                     None => {
                         let session = self.reader().await?;
                         let mut pages = self
-                            .pages_back(session, std::slice::from_ref(&read))
+                            .pages_back(session, std::slice::from_ref(&read), None)
                             .await?;
                         pages.pop().unwrap_or_default()
                     }

@@ -22,7 +22,8 @@ use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 
 use super::batch::{Append, PageBack};
 use super::fold::{Final, Fold};
-use super::sql::{Counters, Dialect, PageRow, SqlStore};
+use super::recent::Mark;
+use super::sql::{CheckedPage, Counters, Dialect, SqlStore};
 use super::{db_count, pool_options, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
@@ -49,7 +50,7 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .connect_lazy_with(connect.read_only(true));
     Ok(
         SqlStore::new(writer, Some(readers), true, options.max_connections)
-            .with_batching(options.commit_batch),
+            .with_batching(options.commit_batch, options.read_cache_bytes),
     )
 }
 
@@ -202,7 +203,8 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         _conn: &mut SqliteConnection,
         _prepared: bool,
         _reads: &[PageBack],
-    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
+        _known: &[Option<Mark>],
+    ) -> Result<Vec<CheckedPage>, StoreError> {
         Err(StoreError::Corrupt(
             "SQLite reads pages one statement each (READS_MANY is false)".into(),
         ))

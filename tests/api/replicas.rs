@@ -1,6 +1,7 @@
 //! Scale-out: two service processes on one Postgres take interleaved
 //! appends for the same users, and share the retention work without ever
-//! running it at the same time.
+//! running it at the same time; a page that one keeps from its reads
+//! follows every kind of write that the other makes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -137,4 +138,128 @@ async fn two_replicas_share_one_postgres() {
             );
         }
     }
+}
+
+/// Replica `a` reads one user's newest page (as many times as a client
+/// would, so that it keeps it and answers from it) while replica `b` makes
+/// every kind of write to that user: each read on `a` shows each write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_page_follows_every_write_made_elsewhere() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let (a, b) = (Replica::start(&db.url), Replica::start(&db.url));
+    let path = "/v1/users/kept/messages";
+    // Contents of the user's messages, oldest first, and their seqs.
+    let mut expected: Vec<(i64, String)> = Vec::new();
+    let append = |expected: &mut Vec<(i64, String)>, contents: Vec<String>| {
+        let messages: Vec<Value> = contents
+            .iter()
+            .map(|c| json!({"role": "user", "content": c}))
+            .collect();
+        let (status, reply) = b.http("POST", path, Some(&json!({ "messages": messages })));
+        assert_eq!(status, 201, "{reply}");
+        let reply: Value = serde_json::from_str(&reply).unwrap();
+        for (stored, content) in reply["messages"].as_array().unwrap().iter().zip(contents) {
+            expected.push((stored["seq"].as_i64().unwrap(), content));
+        }
+    };
+    let page = |query: &str| -> Vec<(i64, String)> {
+        let (status, reply) = a.http("GET", &format!("{path}?{query}"), None);
+        assert_eq!(status, 200, "{reply}");
+        let reply: Value = serde_json::from_str(&reply).unwrap();
+        reply["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let content = m["message"]["content"].as_str().unwrap().to_string();
+                (m["seq"].as_i64().unwrap(), content)
+            })
+            .collect()
+    };
+    let newest = |expected: &[(i64, String)], n: usize| {
+        expected[expected.len().saturating_sub(n)..].to_vec()
+    };
+    // Reads the newest page twice (the second from what `a` kept) and
+    // checks both against what was written.
+    let check = |expected: &[(i64, String)], step: &str| {
+        for _ in 0..2 {
+            assert_eq!(page("limit=20"), newest(expected, 20), "after {step}");
+        }
+    };
+
+    append(&mut expected, (0..30).map(|i| format!("m{i}")).collect());
+    check(&expected, "the first append");
+    let hits = a.metric("chat_history_read_cache_total{outcome=\"hit\"}");
+    assert!(
+        hits >= 1.0,
+        "a second read of an unchanged page was read again: {hits} hits"
+    );
+    // Smaller pages and pages further back, from the page kept.
+    assert_eq!(page("limit=5"), newest(&expected, 5));
+    let cursor = expected[25].0;
+    assert_eq!(
+        page(&format!("limit=5&before={cursor}")),
+        expected[20..25].to_vec()
+    );
+    assert!(a.metric("chat_history_read_cache_total{outcome=\"hit\"}") >= hits + 2.0);
+
+    append(&mut expected, vec!["one more".into()]);
+    check(&expected, "an append");
+
+    let (last, _) = expected.pop().unwrap();
+    let (status, reply) = b.http("DELETE", &format!("{path}/{last}"), None);
+    assert_eq!(status, 200, "{reply}");
+    check(&expected, "deleting the newest message");
+
+    let (middle, _) = expected.remove(expected.len() - 3);
+    let (status, reply) = b.http("DELETE", &format!("{path}/{middle}"), None);
+    assert_eq!(status, 200, "{reply}");
+    check(&expected, "deleting a message inside the page");
+
+    // The transcript saved with its last message changed: that one is
+    // replaced, the rest kept.
+    let mut transcript: Vec<Value> = expected
+        .iter()
+        .map(|(_, c)| json!({"role": "user", "content": c}))
+        .collect();
+    *transcript.last_mut().unwrap() = json!({"role": "user", "content": "rewritten"});
+    let (status, reply) = b.http(
+        "PUT",
+        "/v1/users/kept/transcript",
+        Some(&json!({ "messages": transcript })),
+    );
+    assert_eq!(status, 200, "{reply}");
+    expected.pop();
+    let (status, stats) = b.http("GET", "/v1/users/kept", None);
+    assert_eq!(status, 200, "{stats}");
+    let last_seq = serde_json::from_str::<Value>(&stats).unwrap()["last_seq"]
+        .as_i64()
+        .unwrap();
+    expected.push((last_seq, "rewritten".into()));
+    check(&expected, "saving the transcript");
+
+    let (status, reply) = b.http("DELETE", "/v1/users/kept", None);
+    assert_eq!(status, 200, "{reply}");
+    expected.clear();
+    check(&expected, "clearing the user");
+
+    append(
+        &mut expected,
+        (0..3).map(|i| format!("again {i}")).collect(),
+    );
+    check(&expected, "appending after the clear");
+
+    // Purging what is older than a second.
+    std::thread::sleep(Duration::from_millis(1100));
+    let (status, reply) = b.http(
+        "POST",
+        "/v1/admin/purge-expired",
+        Some(&json!({"max_age": 1})),
+    );
+    assert_eq!(status, 200, "{reply}");
+    expected.clear();
+    check(&expected, "purging expired messages");
+
+    append(&mut expected, vec!["last".into()]);
+    check(&expected, "an append after the purge");
 }

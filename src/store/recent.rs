@@ -1,0 +1,268 @@
+//! Recent pages: each user's newest page as a read last found it, kept with
+//! the mark of the history it came from (`version` and the newest message's
+//! time). It never answers on its own: a read that it could answer still
+//! goes to the database, in its batch's one statement, with the mark it
+//! holds; the database reads the messages only when the user's mark is no
+//! longer that one. `version` changes on every write that changes a
+//! history and never repeats for that user, so an equal mark is the same
+//! messages, whichever replica or tool wrote them. What a hit saves is the
+//! database reading, sending and the service decoding the rows.
+//!
+//! Bounded by bytes: the oldest pages kept go first, and a page over a
+//! 64th of the budget is not kept at all.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use super::batch::PageBack;
+use super::sql::PageRow;
+use crate::domain::{Tenant, Timestamp, UserId};
+
+/// Which state of a user's history a page was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mark {
+    pub version: i64,
+    pub newest_at: Timestamp,
+}
+
+/// What a read finds kept: the mark to check, and the rows that answer it
+/// while the mark holds.
+pub struct Kept {
+    pub mark: Mark,
+    rows: Arc<[PageRow]>,
+    complete: bool,
+}
+
+impl Kept {
+    /// The page `read` asks for, from the kept rows.
+    pub fn page(&self, read: &PageBack) -> Vec<PageRow> {
+        below(&self.rows, read.below)
+            .iter()
+            .take(usize::try_from(read.fetch).unwrap_or(0))
+            .cloned()
+            .collect()
+    }
+
+    fn answers(&self, read: &PageBack) -> bool {
+        self.complete
+            || usize::try_from(read.fetch)
+                .is_ok_and(|fetch| below(&self.rows, read.below).len() >= fetch)
+    }
+}
+
+/// The rows (newest first) with `seq` below `seq`.
+fn below(rows: &[PageRow], seq: i64) -> &[PageRow] {
+    let from = rows.partition_point(|(s, _, _)| *s >= seq);
+    &rows[from..]
+}
+
+type Key = (Tenant, UserId);
+
+pub struct RecentPages {
+    budget: usize,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    pages: HashMap<Key, Entry>,
+    /// Keys in the order their pages were kept, with the `generation` of
+    /// that keeping (a key kept again leaves its older place stale).
+    order: VecDeque<(Key, u64)>,
+    bytes: usize,
+    generation: u64,
+}
+
+struct Entry {
+    kept: Arc<Kept>,
+    bytes: usize,
+    generation: u64,
+}
+
+/// What a kept page costs beside its bodies: the key, the entry, a row's
+/// numbers.
+const ENTRY_BYTES: usize = 128;
+const ROW_BYTES: usize = 48;
+
+impl RecentPages {
+    pub fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    /// The kept page that can answer `read`, if any.
+    pub fn lookup(&self, read: &PageBack) -> Option<Arc<Kept>> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = inner.pages.get(&(read.tenant.clone(), read.user.clone()))?;
+        entry.kept.answers(read).then(|| entry.kept.clone())
+    }
+
+    /// Keeps the page `read` found at `mark`: only a read of the newest
+    /// messages (no `before`), whose rows then are the user's newest.
+    pub fn keep(&self, read: &PageBack, mark: Mark, rows: &[PageRow]) {
+        if read.below != i64::MAX {
+            return;
+        }
+        let bytes = ENTRY_BYTES
+            + read.tenant.as_str().len()
+            + read.user.as_str().len()
+            + rows.iter().map(|r| ROW_BYTES + r.2.len()).sum::<usize>();
+        if bytes > self.budget / 64 {
+            return;
+        }
+        let complete = usize::try_from(read.fetch).is_ok_and(|fetch| rows.len() < fetch);
+        let kept = Arc::new(Kept {
+            mark,
+            rows: rows.into(),
+            complete,
+        });
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner.generation += 1;
+        let generation = inner.generation;
+        let key = (read.tenant.clone(), read.user.clone());
+        let entry = Entry {
+            kept,
+            bytes,
+            generation,
+        };
+        if let Some(old) = inner.pages.insert(key.clone(), entry) {
+            inner.bytes -= old.bytes;
+        }
+        inner.bytes += bytes;
+        inner.order.push_back((key, generation));
+        while inner.bytes > self.budget {
+            let Some((key, generation)) = inner.order.pop_front() else {
+                break;
+            };
+            if inner
+                .pages
+                .get(&key)
+                .is_some_and(|e| e.generation == generation)
+            {
+                if let Some(gone) = inner.pages.remove(&key) {
+                    inner.bytes -= gone.bytes;
+                }
+            }
+        }
+        // Stale places (keys kept again since) are dropped once they are
+        // half the queue, so that it stays within twice the pages kept.
+        if inner.order.len() > 2 * inner.pages.len() + 64 {
+            let Inner { pages, order, .. } = &mut *inner;
+            order.retain(|(key, generation)| {
+                pages.get(key).is_some_and(|e| e.generation == *generation)
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(user: &str, below: i64, fetch: i64) -> PageBack {
+        PageBack {
+            tenant: Tenant::default_tenant(),
+            user: UserId::parse(user).unwrap(),
+            below,
+            fetch,
+        }
+    }
+
+    /// `seqs` newest first, each with a 100-byte body.
+    fn rows(seqs: impl Iterator<Item = i64>) -> Vec<PageRow> {
+        seqs.map(|s| (s, Timestamp::from_micros(s), format!("{s:0>100}")))
+            .collect()
+    }
+
+    fn mark(version: i64) -> Mark {
+        Mark {
+            version,
+            newest_at: Timestamp::from_micros(version),
+        }
+    }
+
+    fn seqs(page: &[PageRow]) -> Vec<i64> {
+        page.iter().map(|r| r.0).collect()
+    }
+
+    #[test]
+    fn a_kept_page_answers_only_what_it_holds() {
+        let recent = RecentPages::new(1 << 20);
+        // The newest 21 of 50 messages: not the whole history.
+        recent.keep(&read("u", i64::MAX, 21), mark(7), &rows((30..=50).rev()));
+        let kept = recent.lookup(&read("u", i64::MAX, 21)).unwrap();
+        assert_eq!(kept.mark, mark(7));
+        assert_eq!(seqs(&kept.page(&read("u", i64::MAX, 3))), [50, 49, 48]);
+        assert_eq!(seqs(&kept.page(&read("u", 45, 3))), [44, 43, 42]);
+        assert!(recent.lookup(&read("u", i64::MAX, 22)).is_none());
+        assert!(recent.lookup(&read("u", 40, 10)).is_some());
+        assert!(recent.lookup(&read("u", 40, 11)).is_none());
+        assert!(recent.lookup(&read("v", i64::MAX, 1)).is_none());
+        assert!(recent
+            .lookup(&PageBack {
+                tenant: Tenant::new("other"),
+                ..read("u", i64::MAX, 1)
+            })
+            .is_none());
+    }
+
+    #[test]
+    fn a_whole_history_answers_any_read() {
+        let recent = RecentPages::new(1 << 20);
+        recent.keep(&read("u", i64::MAX, 21), mark(3), &rows((1..=5).rev()));
+        let kept = recent.lookup(&read("u", i64::MAX, 1000)).unwrap();
+        assert_eq!(
+            seqs(&kept.page(&read("u", i64::MAX, 1000))),
+            [5, 4, 3, 2, 1]
+        );
+        assert_eq!(seqs(&kept.page(&read("u", 3, 1000))), [2, 1]);
+        recent.keep(&read("e", i64::MAX, 21), mark(9), &[]);
+        assert!(recent
+            .lookup(&read("e", i64::MAX, 5))
+            .unwrap()
+            .page(&read("e", i64::MAX, 5))
+            .is_empty());
+    }
+
+    #[test]
+    fn only_a_read_of_the_newest_messages_is_kept() {
+        let recent = RecentPages::new(1 << 20);
+        recent.keep(&read("u", 40, 21), mark(7), &rows((19..=39).rev()));
+        assert!(recent.lookup(&read("u", 40, 1)).is_none());
+    }
+
+    #[test]
+    fn kept_pages_stay_within_their_budget() {
+        // Pages of 21 rows of 100 bytes: about 3 KiB each.
+        let budget = 256 * 1024;
+        let recent = RecentPages::new(budget);
+        for round in 0..3 {
+            for user in 0..1000 {
+                recent.keep(
+                    &read(&format!("u{user}"), i64::MAX, 21),
+                    mark(round),
+                    &rows((1..=21).rev()),
+                );
+                let inner = recent.inner.lock().unwrap();
+                assert!(inner.bytes <= budget, "{} bytes kept", inner.bytes);
+                assert!(inner.order.len() <= 2 * inner.pages.len() + 65);
+            }
+        }
+        // The newest stay, the oldest went.
+        assert!(recent.lookup(&read("u999", i64::MAX, 21)).is_some());
+        assert!(recent.lookup(&read("u0", i64::MAX, 21)).is_none());
+        let inner = recent.inner.lock().unwrap();
+        assert!(inner.pages.len() > 50, "{} pages kept", inner.pages.len());
+    }
+
+    #[test]
+    fn a_page_over_a_64th_of_the_budget_is_not_kept() {
+        let recent = RecentPages::new(64 * 1024);
+        recent.keep(&read("big", i64::MAX, 21), mark(1), &rows((1..=21).rev()));
+        assert!(recent.lookup(&read("big", i64::MAX, 1)).is_none());
+        recent.keep(&read("small", i64::MAX, 2), mark(1), &rows((1..=2).rev()));
+        assert!(recent.lookup(&read("small", i64::MAX, 1)).is_some());
+    }
+}
