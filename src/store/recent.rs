@@ -8,6 +8,10 @@
 //! messages, whichever replica or tool wrote them. What a hit saves is the
 //! database reading, sending and the service decoding the rows.
 //!
+//! An append through this store that took a user from the version kept to
+//! the next one puts its messages in front of the kept page: an agent that
+//! appends and then reads its window finds it kept.
+//!
 //! Bounded by bytes: the oldest pages kept go first, and a page over a
 //! 64th of the budget is not kept at all.
 
@@ -16,7 +20,7 @@ use std::sync::{Arc, Mutex};
 
 use super::batch::PageBack;
 use super::sql::PageRow;
-use crate::domain::{Tenant, Timestamp, UserId};
+use crate::domain::{StoredMessage, Tenant, Timestamp, UserId};
 
 /// Which state of a user's history a page was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,25 +109,79 @@ impl RecentPages {
         if read.below != i64::MAX {
             return;
         }
-        let bytes = ENTRY_BYTES
-            + read.tenant.as_str().len()
-            + read.user.as_str().len()
-            + rows.iter().map(|r| ROW_BYTES + r.2.len()).sum::<usize>();
-        if bytes > self.budget / 64 {
-            return;
-        }
         let complete = usize::try_from(read.fetch).is_ok_and(|fetch| rows.len() < fetch);
-        let kept = Arc::new(Kept {
+        let key = (read.tenant.clone(), read.user.clone());
+        let kept = Kept {
             mark,
             rows: rows.into(),
             complete,
-        });
+        };
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        self.insert(&mut inner, key, kept);
+    }
+
+    /// Follows an append of `added` (oldest first) that took the user from
+    /// `version - 1` to `version`: the page kept at `version - 1`, with
+    /// them in front, is the user's newest at `version`. Only for an append
+    /// that evicted nothing (no per-user cap).
+    pub fn follow_append(
+        &self,
+        tenant: &Tenant,
+        user: &UserId,
+        version: i64,
+        added: &[StoredMessage],
+    ) {
+        let Some(newest_at) = added.last().map(|m| m.created_at) else {
+            return;
+        };
+        let key = (tenant.clone(), user.clone());
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(entry) = inner.pages.get(&key) else {
+            return;
+        };
+        let before = &entry.kept;
+        if before.mark.version.checked_add(1) != Some(version) {
+            return;
+        }
+        let mut rows: Vec<PageRow> = added
+            .iter()
+            .rev()
+            .map(|m| (m.seq, m.created_at, m.message.get().to_owned()))
+            .collect();
+        rows.extend(before.rows.iter().cloned());
+        if !before.complete {
+            // The newest as many as were read: still the newest.
+            rows.truncate(before.rows.len().max(added.len()));
+        }
+        let kept = Kept {
+            mark: Mark { version, newest_at },
+            rows: rows.into(),
+            complete: before.complete,
+        };
+        self.insert(&mut inner, key, kept);
+    }
+
+    /// Keeps `kept` for `key` in place of what was kept for it, when it
+    /// fits, then drops the oldest pages until all fit in the budget.
+    fn insert(&self, inner: &mut Inner, key: Key, kept: Kept) {
+        let bytes = ENTRY_BYTES
+            + key.0.as_str().len()
+            + key.1.as_str().len()
+            + kept
+                .rows
+                .iter()
+                .map(|r| ROW_BYTES + r.2.len())
+                .sum::<usize>();
+        if bytes > self.budget / 64 {
+            if let Some(old) = inner.pages.remove(&key) {
+                inner.bytes -= old.bytes;
+            }
+            return;
+        }
         inner.generation += 1;
         let generation = inner.generation;
-        let key = (read.tenant.clone(), read.user.clone());
         let entry = Entry {
-            kept,
+            kept: Arc::new(kept),
             bytes,
             generation,
         };
@@ -149,7 +207,7 @@ impl RecentPages {
         // Stale places (keys kept again since) are dropped once they are
         // half the queue, so that it stays within twice the pages kept.
         if inner.order.len() > 2 * inner.pages.len() + 64 {
-            let Inner { pages, order, .. } = &mut *inner;
+            let Inner { pages, order, .. } = inner;
             order.retain(|(key, generation)| {
                 pages.get(key).is_some_and(|e| e.generation == *generation)
             });
@@ -231,6 +289,52 @@ mod tests {
         let recent = RecentPages::new(1 << 20);
         recent.keep(&read("u", 40, 21), mark(7), &rows((19..=39).rev()));
         assert!(recent.lookup(&read("u", 40, 1)).is_none());
+    }
+
+    fn stored(seqs: impl Iterator<Item = i64>) -> Vec<StoredMessage> {
+        seqs.map(|s| {
+            StoredMessage::new(s, Timestamp::from_micros(100 + s), format!("{{\"n\":{s}}}"))
+                .unwrap()
+        })
+        .collect()
+    }
+
+    #[test]
+    fn an_append_from_the_version_kept_goes_in_front_of_its_page() {
+        let recent = RecentPages::new(1 << 20);
+        let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+        recent.keep(&read("u", i64::MAX, 21), mark(7), &rows((30..=50).rev()));
+        // From another version than the one kept: nothing changes.
+        recent.follow_append(&tenant, &user, 9, &stored(51..=52));
+        assert_eq!(
+            recent.lookup(&read("u", i64::MAX, 1)).unwrap().mark,
+            mark(7)
+        );
+        recent.follow_append(&tenant, &user, 8, &stored(51..=52));
+        let kept = recent.lookup(&read("u", i64::MAX, 21)).unwrap();
+        assert_eq!(
+            kept.mark,
+            Mark {
+                version: 8,
+                newest_at: Timestamp::from_micros(152)
+            }
+        );
+        let page = kept.page(&read("u", i64::MAX, 21));
+        assert_eq!(seqs(&page), (32..=52).rev().collect::<Vec<_>>());
+        assert_eq!(page[0].2, r#"{"n":52}"#);
+        // As many rows as were read, no more: the history is not all here.
+        assert!(recent.lookup(&read("u", i64::MAX, 22)).is_none());
+
+        // A whole history stays whole.
+        recent.keep(&read("w", i64::MAX, 21), mark(2), &rows((1..=2).rev()));
+        let w = UserId::parse("w").unwrap();
+        recent.follow_append(&tenant, &w, 3, &stored(3..=4));
+        let kept = recent.lookup(&read("w", i64::MAX, 1000)).unwrap();
+        assert_eq!(seqs(&kept.page(&read("w", i64::MAX, 1000))), [4, 3, 2, 1]);
+        // A user with no page kept gets none.
+        let x = UserId::parse("x").unwrap();
+        recent.follow_append(&tenant, &x, 1, &stored(1..=1));
+        assert!(recent.lookup(&read("x", i64::MAX, 1)).is_none());
     }
 
     #[test]

@@ -210,6 +210,8 @@ pub struct CheckedPage {
 struct Batches {
     commits: Batcher<Append, AppendOutcome>,
     pages: Option<Batcher<PageBack, Vec<PageRow>>>,
+    /// The pages the reads keep, which appends follow.
+    recent: Option<Arc<RecentPages>>,
 }
 
 /// Messages in one shared commit, at most (unless one append has more).
@@ -386,15 +388,17 @@ where
                 lanes: 1,
             },
         );
-        let pages = (DB::READS_MANY && commit_batch > 1).then(|| {
-            let recent =
-                (read_cache_bytes > 0).then(|| Arc::new(RecentPages::new(read_cache_bytes)));
+        let reads_many = DB::READS_MANY && commit_batch > 1;
+        let recent = (reads_many && read_cache_bytes > 0)
+            .then(|| Arc::new(RecentPages::new(read_cache_bytes)));
+        let kept = recent.clone();
+        let pages = reads_many.then(|| {
             Batcher::start(
                 Server {
                     kind: "read",
                     weight: |_: &PageBack| 1,
                     run: run_with(move |lane: &mut Lane<DB>, batch| {
-                        let (store, recent) = (store.clone(), recent.clone());
+                        let (store, recent) = (store.clone(), kept.clone());
                         Box::pin(async move {
                             let pool = store.readers.as_ref().unwrap_or(&store.pool);
                             let conn = lane.conn(pool).await?;
@@ -412,7 +416,11 @@ where
                 },
             )
         });
-        self.batches = Some(Arc::new(Batches { commits, pages }));
+        self.batches = Some(Arc::new(Batches {
+            commits,
+            pages,
+            recent,
+        }));
         self
     }
 
@@ -1039,7 +1047,15 @@ where
             idempotency: idempotency.cloned(),
         };
         match &self.batches {
-            Some(batches) => batches.commits.submit(append).await,
+            Some(batches) => {
+                let outcome = batches.commits.submit(append).await?;
+                if let (Some(recent), AppendOutcome::Stored(stored), None) =
+                    (&batches.recent, &outcome, cap)
+                {
+                    recent.follow_append(tenant, user, stored.version, &stored.messages);
+                }
+                Ok(outcome)
+            }
             None => {
                 let mut conn = self.pool.acquire().await?;
                 self.append_alone(&mut conn, &append).await

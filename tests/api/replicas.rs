@@ -206,6 +206,28 @@ async fn a_kept_page_follows_every_write_made_elsewhere() {
     append(&mut expected, vec!["one more".into()]);
     check(&expected, "an append");
 
+    // An append through `a` itself, read back there: the page it keeps
+    // follows the append, and the read needs no messages from Postgres.
+    let (status, reply) = a.http(
+        "POST",
+        path,
+        Some(&json!({"messages": [{"role": "user", "content": "through a"}]})),
+    );
+    assert_eq!(status, 201, "{reply}");
+    let seq = serde_json::from_str::<Value>(&reply).unwrap()["messages"][0]["seq"]
+        .as_i64()
+        .unwrap();
+    expected.push((seq, "through a".into()));
+    let hits = a.metric("chat_history_read_cache_total{outcome=\"hit\"}");
+    assert_eq!(page("limit=20"), newest(&expected, 20));
+    assert_eq!(
+        a.metric("chat_history_read_cache_total{outcome=\"hit\"}"),
+        hits + 1.0,
+        "the page kept did not follow an append through the same replica"
+    );
+    append(&mut expected, vec!["then b".into()]);
+    check(&expected, "an append through b after one through a");
+
     let (last, _) = expected.pop().unwrap();
     let (status, reply) = b.http("DELETE", &format!("{path}/{last}"), None);
     assert_eq!(status, 200, "{reply}");
