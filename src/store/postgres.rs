@@ -10,6 +10,7 @@
 //! retention lock is a lease row, not a session lock, in every mode.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -22,7 +23,7 @@ use sqlx::{Connection, Decode, Encode, Executor, FromRow, PgConnection, Pool, Po
 
 use super::batch::{Append, PageBack};
 use super::fold::{slot_number, Final, Fold};
-use super::recent::Mark;
+use super::recent::{Mark, RecentPages};
 use super::sql::{CheckedPage, Counters, Dialect, SqlStore};
 use super::{
     db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
@@ -53,8 +54,13 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
     }
     // Lazily, so that the service can start before its database.
     let pool = pool.connect_lazy_with(connect);
-    Ok(SqlStore::new(pool, None, prepared, options.max_connections)
-        .with_batching(options.commit_batch, options.read_cache_bytes))
+    Ok(
+        SqlStore::new(pool, None, prepared, options.max_connections).with_batching(
+            options.commit_batch,
+            (options.read_cache_bytes > 0)
+                .then(|| Arc::new(RecentPages::new(options.read_cache_bytes))),
+        ),
+    )
 }
 
 /// Tells a new session to plan each named statement once, for any values.
@@ -276,6 +282,9 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .bind(column(reads, |r| r.fetch))
             .bind(column(known, |k| k.map(|k| k.version)))
             .bind(column(known, |k| k.map(|k| k.newest_at.to_datetime())))
+            .bind(column(known, |k| {
+                k.map(|k| k.server_started_at.to_datetime())
+            }))
             .fetch_all(conn)
             .await?;
         let mut pages: Vec<CheckedPage> = reads
@@ -295,7 +304,11 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             page.mark = row
                 .version
                 .zip(row.newest_at)
-                .map(|(version, newest_at)| Mark { version, newest_at });
+                .map(|(version, newest_at)| Mark {
+                    version,
+                    newest_at,
+                    server_started_at: row.server_started_at,
+                });
             match (row.seq, row.created_at, row.message) {
                 (Some(seq), Some(at), Some(body)) => {
                     if let Some(rows) = page.rows.as_mut() {
@@ -429,22 +442,25 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
 /// user `$1`/`$2`, with the slot (from 1) of the read each row is for and
-/// the user's mark (`version`, `last_created_at`). A read whose mark
-/// `$5`/`$6` is still the user's gets one row with its mark and no message:
-/// its messages are not read. Each user's rows are one index range, as
+/// the user's mark (`version`, `last_created_at`, and when the server
+/// started). A read whose mark `$5`/`$6`/`$7` is still the user's gets one
+/// row with its mark and no message: its messages are not read. Each user's rows are one index range, as
 /// `PAGE_BACK` reads them. The rows come in no promised order:
 /// `pages_back_many` puts them in theirs, which costs it less than a sort
 /// on the server.
 const PAGES_BACK: &str = r#"
-SELECT b.slot, u.version, u.last_created_at AS newest_at, m.seq, m.created_at, m.message
-FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[], $5::bigint[], $6::timestamptz[])
-    WITH ORDINALITY AS b(tenant, user_id, below, n, known_version, known_at, slot)
+SELECT b.slot, u.version, u.last_created_at AS newest_at,
+    pg_postmaster_start_time() AS server_started_at, m.seq, m.created_at, m.message
+FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[],
+        $5::bigint[], $6::timestamptz[], $7::timestamptz[])
+    WITH ORDINALITY AS b(tenant, user_id, below, n, known_version, known_at, known_start, slot)
 LEFT JOIN chat_users u ON u.tenant = b.tenant AND u.user_id = b.user_id
 LEFT JOIN LATERAL (
     SELECT seq, created_at, message FROM chat_messages
     WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
         AND (b.known_version IS NULL OR u.version IS DISTINCT FROM b.known_version
-             OR u.last_created_at IS DISTINCT FROM b.known_at)
+             OR u.last_created_at IS DISTINCT FROM b.known_at
+             OR pg_postmaster_start_time() IS DISTINCT FROM b.known_start)
     ORDER BY seq DESC LIMIT b.n) m ON true
 "#;
 
@@ -454,6 +470,7 @@ struct CheckedRow {
     slot: i64,
     version: Option<i64>,
     newest_at: Option<Timestamp>,
+    server_started_at: Timestamp,
     seq: Option<i64>,
     created_at: Option<Timestamp>,
     message: Option<String>,

@@ -5,28 +5,38 @@
 //! holds; the database reads the messages only when the user's mark is no
 //! longer that one. `version` changes on every write that changes a
 //! history and never repeats for that user, so an equal mark is the same
-//! messages, whichever replica or tool wrote them. What a hit saves is the
+//! messages, whichever replica wrote them. What a hit saves is the
 //! database reading, sending and the service decoding the rows.
 //!
 //! An append through this store that took a user from the version kept to
 //! the next one puts its messages in front of the kept page: an agent that
 //! appends and then reads its window finds it kept.
 //!
-//! Bounded by bytes: the oldest pages kept go first, and a page over a
-//! 64th of the budget is not kept at all.
+//! A database that went back in time (a restored backup, a failover to a
+//! standby that had not received the last commits) could hand out a version
+//! again for other messages. Each of those starts a server, so the mark
+//! holds when the server that read it started too: no page read from one
+//! server is taken for another's.
+//!
+//! Bounded by bytes: the pages kept longest and not read since go first (a
+//! page read since gets a second chance), and a page over a 256th of the
+//! budget is not kept at all, so that the pages held by reads in flight
+//! stay within half of it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::batch::PageBack;
 use super::sql::PageRow;
 use crate::domain::{StoredMessage, Tenant, Timestamp, UserId};
 
-/// Which state of a user's history a page was read from.
+/// Which state of a user's history a page was read from, and on which
+/// server (when it started).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mark {
     pub version: i64,
     pub newest_at: Timestamp,
+    pub server_started_at: Timestamp,
 }
 
 /// What a read finds kept: the mark to check, and the rows that answer it
@@ -81,12 +91,16 @@ struct Entry {
     kept: Arc<Kept>,
     bytes: usize,
     generation: u64,
+    /// Read since it was kept or last passed over for eviction.
+    read: bool,
 }
 
-/// What a kept page costs beside its bodies: the key, the entry, a row's
-/// numbers.
-const ENTRY_BYTES: usize = 128;
-const ROW_BYTES: usize = 48;
+/// What a kept page costs beside its bodies: the map's slot, the entry,
+/// the queue's places (each with a copy of the key, counted apart), and a
+/// row's numbers and allocation.
+const ENTRY_BYTES: usize = 384;
+const KEY_COPIES: usize = 3;
+const ROW_BYTES: usize = 64;
 
 impl RecentPages {
     pub fn new(budget: usize) -> Self {
@@ -96,11 +110,21 @@ impl RecentPages {
         }
     }
 
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The kept page that can answer `read`, if any.
     pub fn lookup(&self, read: &PageBack) -> Option<Arc<Kept>> {
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = inner.pages.get(&(read.tenant.clone(), read.user.clone()))?;
-        entry.kept.answers(read).then(|| entry.kept.clone())
+        let mut inner = self.lock();
+        let entry = inner
+            .pages
+            .get_mut(&(read.tenant.clone(), read.user.clone()))?;
+        if !entry.kept.answers(read) {
+            return None;
+        }
+        entry.read = true;
+        Some(entry.kept.clone())
     }
 
     /// Keeps the page `read` found at `mark`: only a read of the newest
@@ -109,20 +133,25 @@ impl RecentPages {
         if read.below != i64::MAX {
             return;
         }
-        let complete = usize::try_from(read.fetch).is_ok_and(|fetch| rows.len() < fetch);
         let key = (read.tenant.clone(), read.user.clone());
+        let bytes = self.cost(&key, rows);
+        if bytes > self.largest() {
+            return;
+        }
+        let complete = usize::try_from(read.fetch).is_ok_and(|fetch| rows.len() < fetch);
         let kept = Kept {
             mark,
             rows: rows.into(),
             complete,
         };
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        self.insert(&mut inner, key, kept);
+        let mut inner = self.lock();
+        self.insert(&mut inner, key, kept, bytes);
     }
 
     /// Follows an append of `added` (oldest first) that took the user from
-    /// `version - 1` to `version`: the page kept at `version - 1`, with
-    /// them in front, is the user's newest at `version`. Only for an append
+    /// `version - 1` to `version`: the page kept at `version - 1`, with them
+    /// in front, is the user's newest at `version` (on the same server: if
+    /// it is another by now, the next read sees that). Only for an append
     /// that evicted nothing (no per-user cap).
     pub fn follow_append(
         &self,
@@ -135,14 +164,16 @@ impl RecentPages {
             return;
         };
         let key = (tenant.clone(), user.clone());
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(entry) = inner.pages.get(&key) else {
-            return;
+        let (before, generation) = {
+            let inner = self.lock();
+            match inner.pages.get(&key) {
+                Some(entry) if entry.kept.mark.version.checked_add(1) == Some(version) => {
+                    (entry.kept.clone(), entry.generation)
+                }
+                _ => return,
+            }
         };
-        let before = &entry.kept;
-        if before.mark.version.checked_add(1) != Some(version) {
-            return;
-        }
+        // Built outside the lock; kept only if nothing else was meanwhile.
         let mut rows: Vec<PageRow> = added
             .iter()
             .rev()
@@ -153,37 +184,54 @@ impl RecentPages {
             // The newest as many as were read: still the newest.
             rows.truncate(before.rows.len().max(added.len()));
         }
-        let kept = Kept {
-            mark: Mark { version, newest_at },
-            rows: rows.into(),
-            complete: before.complete,
-        };
-        self.insert(&mut inner, key, kept);
-    }
-
-    /// Keeps `kept` for `key` in place of what was kept for it, when it
-    /// fits, then drops the oldest pages until all fit in the budget.
-    fn insert(&self, inner: &mut Inner, key: Key, kept: Kept) {
-        let bytes = ENTRY_BYTES
-            + key.0.as_str().len()
-            + key.1.as_str().len()
-            + kept
-                .rows
-                .iter()
-                .map(|r| ROW_BYTES + r.2.len())
-                .sum::<usize>();
-        if bytes > self.budget / 64 {
+        let bytes = self.cost(&key, &rows);
+        let mut inner = self.lock();
+        let unchanged = inner
+            .pages
+            .get(&key)
+            .is_some_and(|e| e.generation == generation);
+        if !unchanged {
+            return;
+        }
+        if bytes > self.largest() {
             if let Some(old) = inner.pages.remove(&key) {
                 inner.bytes -= old.bytes;
             }
             return;
         }
+        let kept = Kept {
+            mark: Mark {
+                version,
+                newest_at,
+                ..before.mark
+            },
+            rows: rows.into(),
+            complete: before.complete,
+        };
+        self.insert(&mut inner, key, kept, bytes);
+    }
+
+    /// The largest page kept.
+    fn largest(&self) -> usize {
+        self.budget / 256
+    }
+
+    fn cost(&self, key: &Key, rows: &[PageRow]) -> usize {
+        ENTRY_BYTES
+            + KEY_COPIES * (key.0.as_str().len() + key.1.as_str().len())
+            + rows.iter().map(|r| ROW_BYTES + r.2.len()).sum::<usize>()
+    }
+
+    /// Keeps `kept` for `key` in place of what was kept for it, then drops
+    /// pages, oldest first, until all fit in the budget.
+    fn insert(&self, inner: &mut Inner, key: Key, kept: Kept, bytes: usize) {
         inner.generation += 1;
         let generation = inner.generation;
         let entry = Entry {
             kept: Arc::new(kept),
             bytes,
             generation,
+            read: false,
         };
         if let Some(old) = inner.pages.insert(key.clone(), entry) {
             inner.bytes -= old.bytes;
@@ -194,14 +242,18 @@ impl RecentPages {
             let Some((key, generation)) = inner.order.pop_front() else {
                 break;
             };
-            if inner
-                .pages
-                .get(&key)
-                .is_some_and(|e| e.generation == generation)
-            {
-                if let Some(gone) = inner.pages.remove(&key) {
-                    inner.bytes -= gone.bytes;
-                }
+            let Some(entry) = inner.pages.get_mut(&key) else {
+                continue;
+            };
+            if entry.generation != generation {
+                continue;
+            }
+            if entry.read {
+                // Read since: a second chance, at the back of the queue.
+                entry.read = false;
+                inner.order.push_back((key, generation));
+            } else if let Some(gone) = inner.pages.remove(&key) {
+                inner.bytes -= gone.bytes;
             }
         }
         // Stale places (keys kept again since) are dropped once they are
@@ -238,6 +290,7 @@ mod tests {
         Mark {
             version,
             newest_at: Timestamp::from_micros(version),
+            server_started_at: Timestamp::from_micros(1),
         }
     }
 
@@ -316,7 +369,8 @@ mod tests {
             kept.mark,
             Mark {
                 version: 8,
-                newest_at: Timestamp::from_micros(152)
+                newest_at: Timestamp::from_micros(152),
+                server_started_at: Timestamp::from_micros(1),
             }
         );
         let page = kept.page(&read("u", i64::MAX, 21));
@@ -339,8 +393,8 @@ mod tests {
 
     #[test]
     fn kept_pages_stay_within_their_budget() {
-        // Pages of 21 rows of 100 bytes: about 3 KiB each.
-        let budget = 256 * 1024;
+        // Pages of 21 rows of 100 bytes: about 4 KiB each.
+        let budget = 2 << 20;
         let recent = RecentPages::new(budget);
         for round in 0..3 {
             for user in 0..1000 {
@@ -362,11 +416,28 @@ mod tests {
     }
 
     #[test]
-    fn a_page_over_a_64th_of_the_budget_is_not_kept() {
-        let recent = RecentPages::new(64 * 1024);
-        recent.keep(&read("big", i64::MAX, 21), mark(1), &rows((1..=21).rev()));
+    fn a_page_over_a_256th_of_the_budget_is_not_kept() {
+        let recent = RecentPages::new(1 << 20);
+        recent.keep(&read("big", i64::MAX, 101), mark(1), &rows((1..=100).rev()));
         assert!(recent.lookup(&read("big", i64::MAX, 1)).is_none());
-        recent.keep(&read("small", i64::MAX, 2), mark(1), &rows((1..=2).rev()));
+        recent.keep(&read("small", i64::MAX, 21), mark(1), &rows((1..=21).rev()));
         assert!(recent.lookup(&read("small", i64::MAX, 1)).is_some());
+    }
+
+    #[test]
+    fn a_page_read_since_it_was_kept_outlives_one_that_was_not() {
+        // One-row pages of about 600 bytes: room for about 250.
+        let recent = RecentPages::new(256 * 600);
+        let keep = |user: u32| {
+            let read = read(&format!("u{user}"), i64::MAX, 21);
+            recent.keep(&read, mark(1), &rows(1..=1));
+        };
+        (0..200).for_each(keep);
+        assert!(recent.lookup(&read("u0", i64::MAX, 21)).is_some());
+        (200..400).for_each(keep);
+        // "u1", kept after "u0" but never read, went before it.
+        assert!(recent.lookup(&read("u1", i64::MAX, 21)).is_none());
+        assert!(recent.lookup(&read("u0", i64::MAX, 21)).is_some());
+        assert!(recent.lookup(&read("u399", i64::MAX, 21)).is_some());
     }
 }

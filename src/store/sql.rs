@@ -359,7 +359,11 @@ where
     /// (see `batch.rs`). With `commit_batch` at 1 each append commits alone
     /// and reads are not coalesced either: every statement then names one
     /// user, as a sharded Postgres (Citus) needs.
-    pub(super) fn with_batching(mut self, commit_batch: usize, read_cache_bytes: usize) -> Self {
+    pub(super) fn with_batching(
+        mut self,
+        commit_batch: usize,
+        recent: Option<Arc<RecentPages>>,
+    ) -> Self {
         let store = Arc::new(self.clone());
         // Lanes keep their connections only where the pools can spare them:
         // never SQLite's one writer, and Postgres's from a pool of four up,
@@ -389,8 +393,7 @@ where
             },
         );
         let reads_many = DB::READS_MANY && commit_batch > 1;
-        let recent = (reads_many && read_cache_bytes > 0)
-            .then(|| Arc::new(RecentPages::new(read_cache_bytes)));
+        let recent = recent.filter(|_| reads_many);
         let kept = recent.clone();
         let pages = reads_many.then(|| {
             Batcher::start(

@@ -50,7 +50,7 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .connect_lazy_with(connect.read_only(true));
     Ok(
         SqlStore::new(writer, Some(readers), true, options.max_connections)
-            .with_batching(options.commit_batch, options.read_cache_bytes),
+            .with_batching(options.commit_batch, None),
     )
 }
 

@@ -285,3 +285,110 @@ async fn a_kept_page_follows_every_write_made_elsewhere() {
     append(&mut expected, vec!["last".into()]);
     check(&expected, "an append after the purge");
 }
+
+/// Appends through one replica that share commits (each user's versions in
+/// between never reach the database), with reads of the same users in
+/// between: every page read matches the history read forwards, which
+/// nothing keeps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_pages_follow_shared_commits_through_their_replica() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let a = Arc::new(Replica::start(&db.url));
+    let mut callers = Vec::new();
+    for caller in 0..8 {
+        let a = a.clone();
+        callers.push(tokio::task::spawn_blocking(move || {
+            for round in 0..30 {
+                let user = format!("busy-{}", round % 3);
+                let body = json!({"messages": [{"role": "user", "content": format!("c{caller} r{round}")}]});
+                let (status, reply) = a.http("POST", &format!("/v1/users/{user}/messages"), Some(&body));
+                assert_eq!(status, 201, "{reply}");
+                let (status, reply) =
+                    a.http("GET", &format!("/v1/users/{user}/messages?limit=20"), None);
+                assert_eq!(status, 200, "{reply}");
+            }
+        }));
+    }
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let hits = a.metric("chat_history_read_cache_total{outcome=\"hit\"}");
+    for user in ["busy-0", "busy-1", "busy-2"] {
+        let (_, all) = a.http(
+            "GET",
+            &format!("/v1/users/{user}/messages?after=0&limit=1000"),
+            None,
+        );
+        let all: Value = serde_json::from_str(&all).unwrap();
+        let all = all["messages"].as_array().unwrap();
+        assert_eq!(all.len(), 80);
+        for _ in 0..2 {
+            let (_, page) = a.http("GET", &format!("/v1/users/{user}/messages?limit=20"), None);
+            let page: Value = serde_json::from_str(&page).unwrap();
+            assert_eq!(
+                page["messages"].as_array().unwrap(),
+                &all[60..].to_vec(),
+                "{user}"
+            );
+            assert_eq!(page["has_more"], true);
+        }
+    }
+    assert!(
+        a.metric("chat_history_read_cache_total{outcome=\"hit\"}") >= hits + 3.0,
+        "the second read of each user was not answered from its kept page"
+    );
+}
+
+/// Connections to Postgres that end under a replica that keeps pages: the
+/// reads after them are answered rightly, through new connections, and
+/// what is written meanwhile elsewhere shows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_pages_stay_right_when_connections_to_postgres_end() {
+    use sqlx::Connection;
+    let db = TestDb::new(Backend::Postgres).await;
+    let a = Replica::start(&db.url);
+    let path = "/v1/users/reconnected/messages";
+    let body = json!({"messages": [{"role": "user", "content": "kept"}]});
+    assert_eq!(a.http("POST", path, Some(&body)).0, 201);
+    for _ in 0..2 {
+        assert_eq!(a.http("GET", &format!("{path}?limit=20"), None).0, 200);
+    }
+    assert!(a.metric("chat_history_read_cache_total{outcome=\"hit\"}") >= 1.0);
+
+    let mut admin = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = current_database() AND application_name = 'chat-history'",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    assert!(!ended.is_empty());
+    // Written meanwhile by another client.
+    let b = Replica::start(&db.url);
+    let body = json!({"messages": [{"role": "user", "content": "meanwhile"}]});
+    assert_eq!(b.http("POST", path, Some(&body)).0, 201);
+    // The first read may meet a connection that ended (503); the next
+    // opens a new one.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let page = loop {
+        let (status, page) = a.http("GET", &format!("{path}?limit=20"), None);
+        if status == 200 {
+            break page;
+        }
+        assert_eq!(status, 503, "{page}");
+        assert!(
+            Instant::now() < deadline,
+            "no read after the connections ended"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let page: Value = serde_json::from_str(&page).unwrap();
+    let contents: Vec<&str> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, ["kept", "meanwhile"]);
+}
