@@ -778,6 +778,7 @@ mod tests {
             ("--max-in-flight-body-bytes", "65GiB"),
             ("--db-max-connections", "1001"),
             ("--commit-batch", "10001"),
+            ("--read-cache-bytes", "65GiB"),
             ("--max-connections", "1000001"),
             ("--max-in-flight", "1000001"),
             ("--retention", "101years"),
@@ -798,6 +799,15 @@ mod tests {
                 .max_messages_per_user,
             OrOff(None)
         );
+    }
+
+    #[test]
+    fn the_read_cache_is_64_mib_unless_set_and_off_keeps_none() {
+        let bytes = |args: &[&str]| config(args).unwrap().connect_options().read_cache_bytes;
+        assert_eq!(bytes(&[]), 64 << 20);
+        assert_eq!(bytes(&["--read-cache-bytes", "1GiB"]), 1 << 30);
+        assert_eq!(bytes(&["--read-cache-bytes", "off"]), 0);
+        assert_eq!(ConnectOptions::default().read_cache_bytes, bytes(&[]));
     }
 
     #[test]
