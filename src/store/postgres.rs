@@ -444,10 +444,10 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 /// user `$1`/`$2`, with the slot (from 1) of the read each row is for and
 /// the user's mark (`version`, `last_created_at`, and when the server
 /// started). A read whose mark `$5`/`$6`/`$7` is still the user's gets one
-/// row with its mark and no message: its messages are not read. Each user's rows are one index range, as
-/// `PAGE_BACK` reads them. The rows come in no promised order:
-/// `pages_back_many` puts them in theirs, which costs it less than a sort
-/// on the server.
+/// row with its mark and no message: its messages are not read. Each
+/// user's rows are one index range, as `PAGE_BACK` reads them. The rows
+/// come in no promised order: `pages_back_many` puts them in theirs, which
+/// costs it less than a sort on the server.
 const PAGES_BACK: &str = r#"
 SELECT b.slot, u.version, u.last_created_at AS newest_at,
     pg_postmaster_start_time() AS server_started_at, m.seq, m.created_at, m.message
