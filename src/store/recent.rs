@@ -3,10 +3,11 @@
 //! time, and when the server started). It never answers on its own: a read
 //! that it could answer still goes to the database, in its batch's one
 //! statement, with the mark it holds; the database reads the messages only
-//! when the user's mark is no longer that one. `version` changes on every write that changes a
-//! history and never repeats for that user, so an equal mark is the same
-//! messages, whichever replica wrote them. What a hit saves is the
-//! database reading, sending and the service decoding the rows.
+//! when the user's mark is no longer that one. `version` changes on every
+//! write that changes a history and never repeats for that user, so an
+//! equal mark is the same messages, whichever replica wrote them. What a
+//! hit saves is the database reading, sending and the service decoding the
+//! rows.
 //!
 //! An append through this store that took a user from the version kept to
 //! the next one puts its messages in front of the kept page: an agent that
