@@ -8,11 +8,9 @@
 use std::fmt;
 use std::num::NonZeroU32;
 use std::str::FromStr;
-use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
@@ -211,56 +209,52 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
 /// Guards `/v1`: with keys configured, a request needs a known bearer key
 /// (401), an admin key for `/v1/admin` (403), and room in its key's rate
 /// limit (429); it then acts for the key's tenant. `/metrics` needs a key
-/// when so configured; other paths stay open.
-pub async fn authorize(
-    State(access): State<Arc<Access>>,
-    mut request: Request,
-    next: Next,
-) -> Response {
+/// when so configured; other paths stay open. The `Err` is the answer to a
+/// request refused (boxed: it is rare, and a `Response` is large).
+pub fn authorize(access: &Access, request: &mut Request) -> Result<(), Box<Response>> {
     let path = request.uri().path();
     if access.protect_metrics && path == "/metrics" {
         return match bearer(request.headers()).and_then(|token| access.authenticate(token)) {
-            Some(_) => next.run(request).await,
-            None => unauthorized(),
+            Some(_) => Ok(()),
+            None => Err(Box::new(unauthorized())),
         };
     }
     if access.is_open() || !(path == "/v1" || path.starts_with("/v1/")) {
-        return next.run(request).await;
+        return Ok(());
     }
     let is_admin_path = path.starts_with("/v1/admin/") || path == "/v1/admin";
     let Some(index) = bearer(request.headers()).and_then(|token| access.authenticate(token)) else {
-        return unauthorized();
+        return Err(Box::new(unauthorized()));
     };
     let key = &access.keys[index];
     if is_admin_path && key.role != Role::Admin {
-        return Problem::new(
-            StatusCode::FORBIDDEN,
-            "this key's role is `user`; /v1/admin needs a key with role `admin`",
-        )
-        .into_response();
+        return Err(Box::new(
+            Problem::new(
+                StatusCode::FORBIDDEN,
+                "this key's role is `user`; /v1/admin needs a key with role `admin`",
+            )
+            .into_response(),
+        ));
     }
     if let Some(limiter) = access.limiters.get(index) {
         if let Err(not_until) = limiter.check() {
             let wait = not_until.wait_time_from(DefaultClock::default().now());
-            let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            let seconds = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
             let mut response = Problem::new(
                 StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "this key is over its rate limit; retry in {} s",
-                    seconds.max(1)
-                ),
+                format!("this key is over its rate limit; retry in {seconds} s"),
             )
             .into_response();
             response
                 .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
-            return response;
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            return Err(Box::new(response));
         }
     }
     request
         .extensions_mut()
         .insert(Verified(key.tenant.clone()));
-    next.run(request).await
+    Ok(())
 }
 
 /// 401 with `WWW-Authenticate: Bearer`.

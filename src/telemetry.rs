@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::extract::{MatchedPath, Request as AxumRequest};
 use axum::http::{HeaderValue, Method, Request};
-use axum::middleware::Next;
 use axum::response::Response;
-use axum::Router;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
 use tower_http::request_id::{MakeRequestId, RequestId};
 use tower_http::trace::TraceLayer;
 use tracing_subscriber::EnvFilter;
@@ -48,26 +47,31 @@ pub fn init(format: LogFormat) {
     }
 }
 
-/// Wraps `router` in one span per request, named by method and route
-/// template; the response is logged once, at INFO under the target
-/// `chat_history::access` (off unless `RUST_LOG` asks for it), with status
-/// and latency.
-pub fn trace_requests(router: Router) -> Router {
-    router.layer(
-        TraceLayer::new_for_http()
-            .make_span_with(request_span)
-            .on_request(())
-            .on_response(
-                |response: &Response, latency: Duration, _: &tracing::Span| {
-                    tracing::info!(
-                        target: "chat_history::access",
-                        status = response.status().as_u16(),
-                        latency_ms = latency.as_secs_f64() * 1000.0,
-                        "request finished"
-                    );
-                },
-            ),
-    )
+/// One span per request, named by method and route template; the response
+/// is logged once, at INFO under the target `chat_history::access` (off
+/// unless `RUST_LOG` asks for it), with status and latency. A route layer,
+/// so the template is known.
+pub type TraceRequests = TraceLayer<
+    SharedClassifier<ServerErrorsAsFailures>,
+    fn(&Request<Body>) -> tracing::Span,
+    (),
+    fn(&Response, Duration, &tracing::Span),
+>;
+
+pub fn trace_requests() -> TraceRequests {
+    TraceLayer::new_for_http()
+        .make_span_with(request_span as fn(&Request<Body>) -> tracing::Span)
+        .on_request(())
+        .on_response(log_response as fn(&Response, Duration, &tracing::Span))
+}
+
+fn log_response(response: &Response, latency: Duration, _: &tracing::Span) {
+    tracing::info!(
+        target: "chat_history::access",
+        status = response.status().as_u16(),
+        latency_ms = latency.as_secs_f64() * 1000.0,
+        "request finished"
+    );
 }
 
 fn request_span(request: &Request<Body>) -> tracing::Span {
@@ -217,28 +221,46 @@ fn method_label(method: &Method) -> &'static str {
     }
 }
 
-/// Counts and times each request by route template and status; a route
-/// layer, so the template is known.
-pub async fn record_request(request: AxumRequest, next: Next) -> Response {
-    // A template of the router's (a closed set), never the raw path.
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or("unmatched", MatchedPath::as_str)
-        .to_owned();
-    let method = method_label(request.method());
-    let started = Instant::now();
-    let response = next.run(request).await;
-    let status = response.status().as_u16().to_string();
-    metrics::counter!(
-        "chat_history_http_requests_total",
-        "method" => method, "route" => route.clone(), "status" => status
-    )
-    .increment(1);
-    metrics::histogram!(
-        "chat_history_http_request_duration_seconds",
-        "method" => method, "route" => route
-    )
-    .record(started.elapsed().as_secs_f64());
-    response
+/// Counts and times a request by route template and status: started when
+/// the request is routed (so the template is known), finished with its
+/// response.
+pub struct RequestTimer {
+    method: &'static str,
+    route: String,
+    started: Instant,
+}
+
+impl RequestTimer {
+    pub fn start(request: &AxumRequest) -> Self {
+        // A template of the router's (a closed set), never the raw path.
+        let route = request
+            .extensions()
+            .get::<MatchedPath>()
+            .map_or("unmatched", MatchedPath::as_str)
+            .to_owned();
+        Self {
+            method: method_label(request.method()),
+            route,
+            started: Instant::now(),
+        }
+    }
+
+    pub fn finish(self, response: &Response) {
+        let Self {
+            method,
+            route,
+            started,
+        } = self;
+        let status = response.status().as_u16().to_string();
+        metrics::counter!(
+            "chat_history_http_requests_total",
+            "method" => method, "route" => route.clone(), "status" => status
+        )
+        .increment(1);
+        metrics::histogram!(
+            "chat_history_http_request_duration_seconds",
+            "method" => method, "route" => route
+        )
+        .record(started.elapsed().as_secs_f64());
+    }
 }

@@ -17,10 +17,12 @@ pub use openapi::openapi_json;
 
 use std::sync::Arc;
 
-use axum::extract::DefaultBodyLimit;
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::StatusCode;
-use axum::middleware;
+use axum::middleware::{self, Next};
+use axum::response::Response;
 use axum::Router;
+use tower::ServiceBuilder;
 use tower_http::catch_panic::CatchPanicLayer;
 use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::timeout::TimeoutLayer;
@@ -76,26 +78,57 @@ fn api_routes() -> OpenApiRouter<AppState> {
 }
 
 /// The whole service as one axum `Router`: the seam tests drive.
+///
+/// Each route's layers go on as one stack in one `layer` call: every call
+/// of `Router::layer` boxes each route anew, and a boxed route is cloned,
+/// with all it wraps, on every request.
 pub fn router(state: AppState) -> Router {
     telemetry::metrics();
     let (routes, _) = api_routes().split_for_parts();
     let limits = state.limits;
-    let access = state.access.clone();
-    let budgets = Arc::new(protect::Budgets::new(&limits));
-    let routes = telemetry::trace_requests(
-        routes
-            .layer(CatchPanicLayer::custom(protect::panic_response))
-            .layer(DefaultBodyLimit::max(limits.max_body_bytes))
-            .layer(TimeoutLayer::with_status_code(
-                StatusCode::SERVICE_UNAVAILABLE,
-                limits.request_timeout,
-            ))
-            .layer(middleware::from_fn_with_state(access, auth::authorize))
-            .layer(middleware::from_fn_with_state(budgets, protect::shed_load))
-            .layer(middleware::from_fn(telemetry::record_request))
-            .with_state(state),
-    );
+    let guards = Guards {
+        access: state.access.clone(),
+        budgets: Arc::new(protect::Budgets::new(&limits)),
+    };
+    let routes = routes
+        .layer(
+            ServiceBuilder::new()
+                .layer(telemetry::trace_requests())
+                .layer(middleware::from_fn_with_state(guards, guard))
+                .layer(TimeoutLayer::with_status_code(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    limits.request_timeout,
+                ))
+                .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+                .layer(CatchPanicLayer::custom(protect::panic_response)),
+        )
+        .with_state(state);
     outer_layers(Router::new().merge(docs()).fallback_service(routes))
+}
+
+/// What a request passes before its handler, shared by every request.
+#[derive(Clone)]
+struct Guards {
+    access: Arc<Access>,
+    budgets: Arc<protect::Budgets>,
+}
+
+/// Counts and times every routed request, whatever its answer; sheds it
+/// when the server's budgets are full (503), then checks its key (401, 403,
+/// 429). One middleware rather than three: each costs a boxed service and
+/// future per request.
+async fn guard(State(guards): State<Guards>, mut request: Request, next: Next) -> Response {
+    let timer = telemetry::RequestTimer::start(&request);
+    let response = match guards.budgets.admit(&request) {
+        Err(busy) => *busy,
+        // Held until the request is answered.
+        Ok(_admitted) => match auth::authorize(&guards.access, &mut request) {
+            Err(refused) => *refused,
+            Ok(()) => next.run(request).await,
+        },
+    };
+    timer.finish(&response);
+    response
 }
 
 /// What wraps every answer, whatever made it: problem+json bodies for bare
@@ -104,11 +137,13 @@ pub fn router(state: AppState) -> Router {
 /// inside, and the request id, set before anything logs and returned on
 /// every response. Public so that a test can wrap a handler of its own.
 pub fn outer_layers(router: Router) -> Router {
-    router
-        .layer(CatchPanicLayer::custom(protect::panic_response))
-        .layer(middleware::from_fn(problems::problem_for_bare_errors))
-        .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(SetRequestIdLayer::x_request_id(telemetry::RequestIds::new()))
+    router.layer(
+        ServiceBuilder::new()
+            .layer(SetRequestIdLayer::x_request_id(telemetry::RequestIds::new()))
+            .layer(PropagateRequestIdLayer::x_request_id())
+            .layer(middleware::from_fn(problems::problem_for_bare_errors))
+            .layer(CatchPanicLayer::custom(protect::panic_response)),
+    )
 }
 
 /// `/docs`: Swagger UI on `/openapi.json`, its assets compiled into the

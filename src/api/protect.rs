@@ -5,32 +5,28 @@
 //! connection.
 
 use std::any::Any;
-use std::sync::Arc;
 
-use axum::extract::{Request, State};
+use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::config::Limits;
 use crate::error::Problem;
 
 /// The shared budgets of all requests in flight.
 pub struct Budgets {
-    requests: Arc<Semaphore>,
+    requests: Semaphore,
     /// Body bytes, counted in KiB so that one request fits a `u32` of permits.
-    body_kib: Arc<Semaphore>,
+    body_kib: Semaphore,
     max_body_bytes: usize,
 }
 
 impl Budgets {
     pub fn new(limits: &Limits) -> Self {
         Self {
-            requests: Arc::new(Semaphore::new(limits.max_in_flight)),
-            body_kib: Arc::new(Semaphore::new(
-                limits.max_in_flight_body_bytes.div_ceil(1024),
-            )),
+            requests: Semaphore::new(limits.max_in_flight),
+            body_kib: Semaphore::new(limits.max_in_flight_body_bytes.div_ceil(1024)),
             max_body_bytes: limits.max_body_bytes,
         }
     }
@@ -53,39 +49,53 @@ impl Budgets {
     }
 }
 
-/// Runs a `/v1` request only while there is room for it among the requests
-/// in flight and for its body among theirs; otherwise 503 at once. The
-/// operational endpoints are never shed, so probes keep answering.
-pub async fn shed_load(
-    State(budgets): State<Arc<Budgets>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    if !request.uri().path().starts_with("/v1") {
-        return next.run(request).await;
-    }
-    let Ok(_slot) = budgets.requests.clone().try_acquire_owned() else {
-        metrics::counter!("chat_history_requests_shed_total", "reason" => "in_flight").increment(1);
-        return busy(
-            "this server is handling as many requests as it accepts (CHAT_HISTORY_MAX_IN_FLIGHT); retry after the delay in Retry-After",
-        );
-    };
-    let kib = budgets.body_kib(request.headers());
-    let _body = if kib == 0 {
-        None
-    } else {
-        match budgets.body_kib.clone().try_acquire_many_owned(kib) {
-            Ok(reserved) => Some(reserved),
-            Err(_) => {
-                metrics::counter!("chat_history_requests_shed_total", "reason" => "body_bytes")
-                    .increment(1);
-                return busy(
-                    "the bodies of the requests in flight fill this server's budget (CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES); retry after the delay in Retry-After",
-                );
-            }
+/// What a request admitted holds until it is answered: its place among the
+/// requests in flight and its body's share of their bytes.
+pub struct Admitted<'a> {
+    _slot: Option<SemaphorePermit<'a>>,
+    _body: Option<SemaphorePermit<'a>>,
+}
+
+impl Budgets {
+    /// Admits a `/v1` request only while there is room for it among the
+    /// requests in flight and for its body among theirs; otherwise the
+    /// `Err` is a 503 to answer at once (boxed: it is rare, and a
+    /// `Response` is large). The operational endpoints are never shed, so
+    /// probes keep answering.
+    pub fn admit(&self, request: &Request) -> Result<Admitted<'_>, Box<Response>> {
+        if !request.uri().path().starts_with("/v1") {
+            return Ok(Admitted {
+                _slot: None,
+                _body: None,
+            });
         }
-    };
-    next.run(request).await
+        let Ok(slot) = self.requests.try_acquire() else {
+            metrics::counter!("chat_history_requests_shed_total", "reason" => "in_flight")
+                .increment(1);
+            return Err(Box::new(busy(
+                "this server is handling as many requests as it accepts (CHAT_HISTORY_MAX_IN_FLIGHT); retry after the delay in Retry-After",
+            )));
+        };
+        let kib = self.body_kib(request.headers());
+        let body = if kib == 0 {
+            None
+        } else {
+            match self.body_kib.try_acquire_many(kib) {
+                Ok(reserved) => Some(reserved),
+                Err(_) => {
+                    metrics::counter!("chat_history_requests_shed_total", "reason" => "body_bytes")
+                        .increment(1);
+                    return Err(Box::new(busy(
+                        "the bodies of the requests in flight fill this server's budget (CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES); retry after the delay in Retry-After",
+                    )));
+                }
+            }
+        };
+        Ok(Admitted {
+            _slot: Some(slot),
+            _body: body,
+        })
+    }
 }
 
 fn busy(detail: &str) -> Response {
