@@ -9,6 +9,7 @@ use utoipa::ToSchema;
 
 use crate::domain::{BodyError, Invalid};
 use crate::store::StoreError;
+use crate::telemetry::Throttle;
 
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -122,7 +123,10 @@ impl IntoResponse for ApiError {
 fn store_error_response(error: &StoreError) -> Response {
     match error {
         StoreError::Unavailable(_) | StoreError::Shared(_) | StoreError::NotMigrated { .. } => {
-            tracing::warn!(error = %error_chain(error), "database unavailable");
+            static UNAVAILABLE: Throttle = Throttle::new();
+            if let Some(passed_over) = UNAVAILABLE.admit() {
+                tracing::warn!(error = %error_chain(error), passed_over, "database unavailable");
+            }
             let mut response = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the database is unavailable right now; retry after the delay in Retry-After \

@@ -13,9 +13,9 @@ use axum::extract::{MatchedPath, Request as AxumRequest};
 use axum::http::{HeaderValue, Method, Request};
 use axum::response::Response;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tower_http::classify::{ServerErrorsAsFailures, SharedClassifier};
+use tower_http::classify::{ServerErrorsAsFailures, ServerErrorsFailureClass, SharedClassifier};
 use tower_http::request_id::{MakeRequestId, RequestId};
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnBodyChunk, DefaultOnEos, TraceLayer};
 use tracing_subscriber::EnvFilter;
 
 /// Without `RUST_LOG`: the service's own events, but not the line per
@@ -49,13 +49,18 @@ pub fn init(format: LogFormat) {
 
 /// One span per request, named by method and route template; the response
 /// is logged once, at INFO under the target `chat_history::access` (off
-/// unless `RUST_LOG` asks for it), with status and latency. A route layer,
-/// so the template is known.
+/// unless `RUST_LOG` asks for it), with status and latency. A 5xx answer is
+/// also a warning, throttled (see `Throttle`): a flood of requests that are
+/// shed with 503 must not become a flood of log lines. A route layer, so
+/// the template is known.
 pub type TraceRequests = TraceLayer<
     SharedClassifier<ServerErrorsAsFailures>,
     fn(&Request<Body>) -> tracing::Span,
     (),
     fn(&Response, Duration, &tracing::Span),
+    DefaultOnBodyChunk,
+    DefaultOnEos,
+    fn(ServerErrorsFailureClass, Duration, &tracing::Span),
 >;
 
 pub fn trace_requests() -> TraceRequests {
@@ -63,6 +68,7 @@ pub fn trace_requests() -> TraceRequests {
         .make_span_with(request_span as fn(&Request<Body>) -> tracing::Span)
         .on_request(())
         .on_response(log_response as fn(&Response, Duration, &tracing::Span))
+        .on_failure(log_failure as fn(ServerErrorsFailureClass, Duration, &tracing::Span))
 }
 
 fn log_response(response: &Response, latency: Duration, _: &tracing::Span) {
@@ -72,6 +78,78 @@ fn log_response(response: &Response, latency: Duration, _: &tracing::Span) {
         latency_ms = latency.as_secs_f64() * 1000.0,
         "request finished"
     );
+}
+
+fn log_failure(failure: ServerErrorsFailureClass, latency: Duration, _: &tracing::Span) {
+    static FAILURES: Throttle = Throttle::new();
+    if let Some(passed_over) = FAILURES.admit() {
+        tracing::warn!(
+            classification = %failure,
+            latency_ms = latency.as_secs_f64() * 1000.0,
+            passed_over,
+            "response failed (server error; metrics count every one, this log at most one a {}s)",
+            THROTTLE_EVERY.as_secs()
+        );
+    }
+}
+
+/// How often a throttled warning is written, at most.
+pub const THROTTLE_EVERY: Duration = Duration::from_secs(10);
+
+/// A warning that a request can cause, and so every request of a flood
+/// (503s shed over the cap, a database that went away): written for the
+/// first, then at most once per `THROTTLE_EVERY`, with how many were passed
+/// over since the last one written. The metrics count every one; the log
+/// stays readable, and writing it costs no more under a flood.
+pub struct Throttle {
+    /// When the next line may be written, in ms since the process's first
+    /// throttled event.
+    next: AtomicU64,
+    passed_over: AtomicU64,
+}
+
+impl Throttle {
+    pub const fn new() -> Self {
+        Self {
+            next: AtomicU64::new(0),
+            passed_over: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(events passed over since the last line)` when this event is
+    /// to be written, else `None` (and it is counted as passed over).
+    pub fn admit(&self) -> Option<u64> {
+        static START: OnceLock<Instant> = OnceLock::new();
+        let now = START.get_or_init(Instant::now).elapsed();
+        self.admit_at(u64::try_from(now.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    fn admit_at(&self, now_ms: u64) -> Option<u64> {
+        let next = self.next.load(Ordering::Relaxed);
+        let every = u64::try_from(THROTTLE_EVERY.as_millis()).unwrap_or(u64::MAX);
+        if now_ms >= next
+            && self
+                .next
+                .compare_exchange(
+                    next,
+                    now_ms.saturating_add(every),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            Some(self.passed_over.swap(0, Ordering::Relaxed))
+        } else {
+            self.passed_over.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+impl Default for Throttle {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 fn request_span(request: &Request<Body>) -> tracing::Span {
@@ -262,5 +340,25 @@ impl RequestTimer {
             "method" => method, "route" => route
         )
         .record(started.elapsed().as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_writes_the_first_then_one_a_period_with_the_count_passed_over() {
+        let throttle = Throttle::new();
+        let every = u64::try_from(THROTTLE_EVERY.as_millis()).unwrap();
+        assert_eq!(throttle.admit_at(5), Some(0));
+        for at in 6..1006 {
+            assert_eq!(throttle.admit_at(at), None);
+        }
+        assert_eq!(throttle.admit_at(5 + every - 1), None);
+        assert_eq!(throttle.admit_at(5 + every), Some(1001));
+        assert_eq!(throttle.admit_at(5 + every + 1), None);
+        // A quiet spell: the next one is written at once, with its one.
+        assert_eq!(throttle.admit_at(100 * every), Some(1));
     }
 }

@@ -11,6 +11,7 @@ use axum::Json;
 use super::schema::StatusResponse;
 use super::AppState;
 use crate::error::{error_chain, Problem};
+use crate::telemetry::Throttle;
 
 /// The process is up and serving HTTP; says nothing about the database.
 #[utoipa::path(
@@ -40,7 +41,10 @@ pub async fn readyz(State(state): State<AppState>) -> Response {
     match state.store.ready().await {
         Ok(()) => Json(StatusResponse { status: "ready" }).into_response(),
         Err(error) => {
-            tracing::warn!(error = %error_chain(&error), "not ready");
+            static NOT_READY: Throttle = Throttle::new();
+            if let Some(passed_over) = NOT_READY.admit() {
+                tracing::warn!(error = %error_chain(&error), passed_over, "not ready");
+            }
             let mut response = Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("not ready: {error}"),

@@ -24,7 +24,7 @@ use tokio::net::TcpListener;
 use tower::ServiceExt;
 
 use crate::on_both_backends;
-use crate::support::{request, Backend, TestApp, TestDb};
+use crate::support::{request, Backend, Replica, TestApp, TestDb};
 
 on_both_backends!(
     a_transcript_is_streamed_whole_with_the_version_of_its_snapshot,
@@ -230,7 +230,10 @@ async fn a_connection_over_the_cap_gets_503_and_the_rest_are_served() {
 /// Sends the head and the first byte of an append of `length` bytes; the
 /// request stays in flight until the rest arrives.
 fn start_append(served: &Served, user: &str, length: usize) -> TcpStream {
-    let mut stream = served.connect();
+    start_append_to(served.connect(), user, length)
+}
+
+fn start_append_to(mut stream: TcpStream, user: &str, length: usize) -> TcpStream {
     write!(
         stream,
         "POST /v1/users/{user}/messages HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
@@ -291,6 +294,52 @@ async fn requests_over_the_in_flight_cap_get_503_and_probes_still_answer() {
     }
     let after = get_status(&served, "/v1/users/u/messages").await;
     assert!(after.starts_with("HTTP/1.1 200"), "{after}");
+}
+
+/// A flood of requests shed with 503 is counted in full by the metrics,
+/// but logged once (then at most once every ten seconds, saying how many
+/// were passed over): one caller cannot turn the shedding into a flood of
+/// log lines, for the disk and whoever reads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_shed_requests_is_counted_but_logged_once() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let replica = Replica::start_with(&db.url, &[("CHAT_HISTORY_MAX_IN_FLIGHT", "1")]);
+    let held = TcpStream::connect(replica.address).unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let held = start_append_to(held, "held", 100);
+    std::thread::sleep(Duration::from_millis(300));
+    let shed = |replica: &Replica| replica.http("GET", "/v1/users/u/messages", None).0;
+    for _ in 0..300 {
+        assert_eq!(shed(&replica), 503);
+    }
+    let counted = replica.metric(
+        "chat_history_http_requests_total{method=\"GET\",route=\"/v1/users/{user_id}/messages\",status=\"503\"}",
+    );
+    assert_eq!(counted, 300.0);
+    assert!(finish_append(held, 100).starts_with("HTTP/1.1 201"));
+    std::thread::sleep(Duration::from_millis(300));
+    let logs = replica.logs.lock().unwrap().clone();
+    let events: Vec<Value> = logs
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .collect();
+    let failures: Vec<&Value> = events
+        .iter()
+        .filter(|event| {
+            event["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("response failed"))
+        })
+        .collect();
+    assert_eq!(failures.len(), 1, "{logs}");
+    assert_eq!(failures[0]["passed_over"], 0, "{logs}");
+    // The start-up warning that no keys are set, and the one above.
+    let warnings = events
+        .iter()
+        .filter(|event| event["level"] == "WARN" || event["level"] == "ERROR")
+        .count();
+    assert_eq!(warnings, 2, "{logs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
