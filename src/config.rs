@@ -95,6 +95,7 @@ pub mod maximum {
     pub const DB_MAX_CONNECTIONS: u64 = 1_000;
     pub const COMMIT_BATCH: u64 = 10_000;
     pub const READ_CACHE_BYTES: usize = 64 << 30;
+    pub const MAX_PAGE_BYTES: usize = 1 << 30;
     pub const WORKER_THREADS: u64 = 1_024;
     pub const MAX_CONNECTIONS: u64 = 1_000_000;
     pub const MAX_IN_FLIGHT: u64 = 1_000_000;
@@ -335,6 +336,18 @@ pub struct Config {
     )]
     pub read_cache_bytes: OrOff<ByteSize>,
 
+    /// The bodies of one history page, at most: bytes, or with
+    /// KiB/MiB/GiB (at most 1GiB). A page whose messages would take more
+    /// ends early with `has_more: true` (it always holds at least one).
+    #[arg(
+        long,
+        env = "CHAT_HISTORY_MAX_PAGE_BYTES",
+        default_value = "4MiB",
+        value_parser = ByteSize::parser(maximum::MAX_PAGE_BYTES),
+        global = true
+    )]
+    pub max_page_bytes: ByteSize,
+
     /// Threads that serve requests (at most 1024). Default: tokio's own
     /// `TOKIO_WORKER_THREADS` when it holds such a count, else one per CPU
     /// this process may use.
@@ -408,6 +421,7 @@ impl fmt::Debug for Config {
             .field("db_max_connections", &self.db_max_connections)
             .field("commit_batch", &self.commit_batch)
             .field("read_cache_bytes", &self.read_cache_bytes)
+            .field("max_page_bytes", &self.max_page_bytes)
             .field("worker_threads", &self.worker_threads)
             .field("api_keys", &self.api_keys.as_ref().map(|_| "***"))
             .field("api_keys_file", &self.api_keys_file)
@@ -496,6 +510,7 @@ impl Config {
             max_connections: u32::try_from(self.db_max_connections.0).unwrap_or(u32::MAX),
             commit_batch: to_usize(self.commit_batch.0),
             read_cache_bytes: self.read_cache_bytes.0.map_or(0, |b| b.0),
+            page_bytes: self.max_page_bytes.0,
             ..ConnectOptions::default()
         }
     }
@@ -779,6 +794,7 @@ mod tests {
             ("--db-max-connections", "1001"),
             ("--commit-batch", "10001"),
             ("--read-cache-bytes", "65GiB"),
+            ("--max-page-bytes", "2GiB"),
             ("--max-connections", "1000001"),
             ("--max-in-flight", "1000001"),
             ("--retention", "101years"),
@@ -808,6 +824,16 @@ mod tests {
         assert_eq!(bytes(&["--read-cache-bytes", "1GiB"]), 1 << 30);
         assert_eq!(bytes(&["--read-cache-bytes", "off"]), 0);
         assert_eq!(ConnectOptions::default().read_cache_bytes, bytes(&[]));
+    }
+
+    #[test]
+    fn a_page_holds_4_mib_of_bodies_unless_set() {
+        let bytes = |args: &[&str]| config(args).unwrap().connect_options().page_bytes;
+        assert_eq!(bytes(&[]), 4 << 20);
+        assert_eq!(bytes(&["--max-page-bytes", "64KiB"]), 64 << 10);
+        assert_eq!(ConnectOptions::default().page_bytes, bytes(&[]));
+        assert!(config(&["--max-page-bytes", "0"]).is_err());
+        assert!(config(&["--max-page-bytes", "2GiB"]).is_err());
     }
 
     #[test]

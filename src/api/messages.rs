@@ -61,7 +61,10 @@ pub enum StartAt {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct HistoryParams {
-    /// How many messages at most.
+    /// How many messages at most. A page also ends early, with `has_more`,
+    /// where its messages' bodies reach the server's page size
+    /// (`CHAT_HISTORY_MAX_PAGE_BYTES`, 4 MiB unless configured); it always
+    /// holds at least one message.
     #[param(minimum = 1, maximum = 1000, default = 50)]
     limit: Option<u32>,
     /// Only messages at most this many seconds old. Omitted: the server's

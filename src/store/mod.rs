@@ -158,6 +158,9 @@ pub struct ConnectOptions {
     pub commit_batch: usize,
     /// What Postgres's recent pages may take, in bytes (0: none kept).
     pub read_cache_bytes: usize,
+    /// What the bodies of one history page may take, in bytes: a page is
+    /// cut short there (see [`Page`]).
+    pub page_bytes: usize,
 }
 
 impl Default for ConnectOptions {
@@ -167,6 +170,7 @@ impl Default for ConnectOptions {
             acquire_timeout: Duration::from_secs(5),
             commit_batch: 256,
             read_cache_bytes: 64 << 20,
+            page_bytes: 4 << 20,
         }
     }
 }
@@ -642,26 +646,100 @@ fn latest_version(migrator: &sqlx::migrate::Migrator) -> i64 {
     migrator.iter().map(|m| m.version).max().unwrap_or(0)
 }
 
+/// A message as a page read returns it: `seq`, `created_at`, body.
+pub type PageRow = (i64, Timestamp, String);
+
+/// What a page read found: its rows in the read's direction (newest first
+/// paging back), and, when the read stopped short of its `limit` because
+/// the bodies filled the page's byte budget, the `created_at` of the first
+/// row it left out. Rows that could not be read with the others of a
+/// batch (see `pages_back_many`) come back as no rows and a cut: the read
+/// is then made alone.
+#[derive(Debug, Default, Clone)]
+pub struct Page {
+    pub rows: Vec<PageRow>,
+    pub cut: Option<Timestamp>,
+}
+
+impl Page {
+    /// A batched read that must be made again alone.
+    fn unread(&self) -> bool {
+        self.rows.is_empty() && self.cut.is_some()
+    }
+}
+
+/// Builds a [`Page`] from rows offered in the read's direction, keeping
+/// them while their bodies fit `budget` bytes; the first row is always
+/// kept, so a page never comes back empty while messages remain.
+struct PageCut {
+    budget: usize,
+    bytes: usize,
+    page: Page,
+}
+
+impl PageCut {
+    fn new(budget: usize) -> Self {
+        Self {
+            budget,
+            bytes: 0,
+            page: Page::default(),
+        }
+    }
+
+    /// Whether a row of `len` bytes still fits the page.
+    fn fits(&self, len: usize) -> bool {
+        self.page.rows.is_empty() || self.bytes.saturating_add(len) <= self.budget
+    }
+
+    /// Keeps `row`, or cuts the page before it; false once the page is cut,
+    /// when the rows that follow need not be read.
+    fn offer(&mut self, row: PageRow) -> bool {
+        if self.page.cut.is_some() {
+            return false;
+        }
+        if !self.fits(row.2.len()) {
+            self.page.cut = Some(row.1);
+            return false;
+        }
+        self.bytes += row.2.len();
+        self.page.rows.push(row);
+        true
+    }
+
+    /// `rows`, cut as `offer` would.
+    fn all(budget: usize, rows: impl IntoIterator<Item = PageRow>) -> Page {
+        let mut cut = Self::new(budget);
+        for row in rows {
+            if !cut.offer(row) {
+                break;
+            }
+        }
+        cut.page
+    }
+}
+
 /// Turns the stored rows of a page into messages, oldest first, applying the
 /// age cut-off and working out `has_more`. `rows` come in the page's
 /// direction (newest first when paging back) and hold up to `limit + 1` rows.
-fn assemble_page(
-    rows: Vec<(i64, Timestamp, String)>,
-    query: HistoryQuery,
-) -> Result<HistoryPage, StoreError> {
+/// A page cut for its bytes has more when the row it left out passes the
+/// age filter.
+fn assemble_page(page: Page, query: HistoryQuery) -> Result<HistoryPage, StoreError> {
     let limit = query.limit as usize;
     let paging_forward = query.after.is_some();
     let passes = |at: Timestamp| query.not_before.is_none_or(|cut| at >= cut);
+    let Page { rows, cut } = page;
     // Paging back, rows are newest first and `created_at` never increases
-    // along them, so those that pass the age filter are a prefix.
-    let mut kept: Vec<(i64, Timestamp, String)> = if paging_forward {
+    // along them, so those that pass the age filter are a prefix (and when
+    // the row a cut left out passes, so do all of them).
+    let mut kept: Vec<PageRow> = if paging_forward {
         rows
     } else {
         rows.into_iter()
             .take_while(|(_, at, _)| passes(*at))
             .collect()
     };
-    let has_more = kept.len() > limit;
+    let cut_has_more = cut.is_some_and(|at| paging_forward || passes(at));
+    let has_more = kept.len() > limit || cut_has_more;
     kept.truncate(limit);
     if !paging_forward {
         kept.reverse();

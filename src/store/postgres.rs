@@ -24,9 +24,10 @@ use sqlx::{Connection, Decode, Encode, Executor, FromRow, PgConnection, Pool, Po
 use super::batch::{Append, PageBack};
 use super::fold::{slot_number, Final, Fold};
 use super::recent::{Mark, RecentPages};
-use super::sql::{CheckedPage, Counters, Dialect, SqlStore};
+use super::sql::{CheckedPage, Counters, Dialect, SqlStore, BATCH_PAGE_BUDGETS};
 use super::{
-    db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, PoolMode, StoreError,
+    db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, Page, PageRow, PoolMode,
+    StoreError,
 };
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
@@ -54,13 +55,11 @@ pub fn connect(url: &DatabaseUrl, options: ConnectOptions) -> Result<PostgresSto
     }
     // Lazily, so that the service can start before its database.
     let pool = pool.connect_lazy_with(connect);
-    Ok(
-        SqlStore::new(pool, None, prepared, options.max_connections).with_batching(
-            options.commit_batch,
-            (options.read_cache_bytes > 0)
-                .then(|| Arc::new(RecentPages::new(options.read_cache_bytes))),
-        ),
-    )
+    Ok(SqlStore::new(pool, None, prepared, &options).with_batching(
+        options.commit_batch,
+        (options.read_cache_bytes > 0)
+            .then(|| Arc::new(RecentPages::new(options.read_cache_bytes))),
+    ))
 }
 
 /// Tells a new session to plan each named statement once, for any values.
@@ -273,8 +272,10 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
         prepared: bool,
         reads: &[PageBack],
         known: &[Option<Mark>],
+        page_bytes: usize,
     ) -> Result<Vec<CheckedPage>, StoreError> {
-        let rows: Vec<CheckedRow> = sqlx::query_as(PAGES_BACK)
+        use futures_util::TryStreamExt;
+        let mut rows = sqlx::query_as::<_, CheckedRow>(PAGES_BACK)
             .persistent(prepared)
             .bind(column(reads, |r| r.tenant.as_str()))
             .bind(column(reads, |r| r.user.as_str()))
@@ -285,16 +286,14 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .bind(column(known, |k| {
                 k.map(|k| k.server_started_at.to_datetime())
             }))
-            .fetch_all(conn)
-            .await?;
-        let mut pages: Vec<CheckedPage> = reads
-            .iter()
-            .map(|_| CheckedPage {
-                mark: None,
-                rows: Some(Vec::new()),
-            })
-            .collect();
-        for row in rows {
+            .fetch(conn);
+        let mut pages: Vec<Gathered> = reads.iter().map(|_| Gathered::default()).collect();
+        let mut budget = BatchBytes {
+            page: page_bytes,
+            batch: page_bytes.saturating_mul(BATCH_PAGE_BUDGETS),
+            kept: 0,
+        };
+        while let Some(row) = rows.try_next().await? {
             let slot = usize::try_from(row.slot - 1)
                 .ok()
                 .and_then(|slot| Some((slot, pages.get_mut(slot)?)));
@@ -310,24 +309,14 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
                     server_started_at: row.server_started_at,
                 });
             match (row.seq, row.created_at, row.message) {
-                (Some(seq), Some(at), Some(body)) => {
-                    if let Some(rows) = page.rows.as_mut() {
-                        rows.push((seq, at, body));
-                    }
-                }
+                (Some(seq), Some(at), Some(body)) => page.offer((seq, at, body), &mut budget),
                 // No message: the user has none below the read's `seq`,
                 // or its mark is still the one the read came with.
-                _ if page.mark.is_some() && page.mark == known[slot] => page.rows = None,
+                _ if page.mark.is_some() && page.mark == known[slot] => page.unchanged = true,
                 _ => {}
             }
         }
-        for page in &mut pages {
-            if let Some(rows) = page.rows.as_mut() {
-                // Newest first; as the server read them, this only checks.
-                rows.sort_unstable_by_key(|&(seq, _, _)| std::cmp::Reverse(seq));
-            }
-        }
-        Ok(pages)
+        Ok(pages.into_iter().map(Gathered::finish).collect())
     }
 
     async fn lock_users(
@@ -470,6 +459,74 @@ LEFT JOIN LATERAL (
     ORDER BY seq DESC LIMIT b.n) m ON true
 "#;
 
+/// The bytes of bodies a batch of page reads keeps: each page's own budget,
+/// and the batch's, of which `kept` is taken.
+struct BatchBytes {
+    page: usize,
+    batch: usize,
+    kept: usize,
+}
+
+/// One read's rows as `pages_back_many` gathers them, in whatever order
+/// they come.
+#[derive(Default)]
+struct Gathered {
+    mark: Option<Mark>,
+    /// The mark was still the one the read came with: no rows were read.
+    unchanged: bool,
+    rows: Vec<PageRow>,
+    bytes: usize,
+    /// The newest row left out, `seq` and `created_at`: the page holds
+    /// only the rows newer than it.
+    left_out: Option<(i64, Timestamp)>,
+    /// Its rows did not fit the batch's bytes: to be read alone.
+    unread: bool,
+}
+
+impl Gathered {
+    fn offer(&mut self, (seq, at, body): PageRow, budget: &mut BatchBytes) {
+        let newest_left_out = self.left_out.map_or(i64::MIN, |(s, _)| s);
+        if self.unread || seq < newest_left_out {
+            return;
+        }
+        let len = body.len();
+        if !self.rows.is_empty() && self.bytes.saturating_add(len) > budget.page {
+            self.left_out = Some((seq, at));
+        } else if budget.kept > 0 && budget.kept.saturating_add(len) > budget.batch {
+            budget.kept -= self.bytes;
+            self.rows = Vec::new();
+            self.bytes = 0;
+            self.unread = true;
+            self.left_out = Some((seq, at));
+        } else {
+            self.bytes += len;
+            budget.kept += len;
+            self.rows.push((seq, at, body));
+        }
+    }
+
+    fn finish(self) -> CheckedPage {
+        let rows = if self.unchanged {
+            None
+        } else {
+            let mut rows = self.rows;
+            // Newest first; as the server read them, this only checks.
+            rows.sort_unstable_by_key(|&(seq, _, _)| std::cmp::Reverse(seq));
+            if let Some((seq, _)) = self.left_out {
+                rows.retain(|&(s, _, _)| s > seq);
+            }
+            Some(Page {
+                rows,
+                cut: self.left_out.map(|(_, at)| at),
+            })
+        };
+        CheckedPage {
+            mark: self.mark,
+            rows,
+        }
+    }
+}
+
 /// A row of `PAGES_BACK`.
 #[derive(FromRow)]
 struct CheckedRow {
@@ -525,5 +582,59 @@ impl<'r> Decode<'r, Postgres> for Timestamp {
         Ok(Timestamp::from_datetime(<DateTime<Utc> as Decode<
             Postgres,
         >>::decode(value)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(seq: i64, len: usize) -> PageRow {
+        (seq, Timestamp::from_micros(seq), "x".repeat(len))
+    }
+
+    fn budget(page: usize, batch: usize) -> BatchBytes {
+        BatchBytes {
+            page,
+            batch,
+            kept: 0,
+        }
+    }
+
+    fn seqs(page: &CheckedPage) -> (Vec<i64>, Option<Timestamp>) {
+        let page = page.rows.as_ref().unwrap();
+        (page.rows.iter().map(|r| r.0).collect(), page.cut)
+    }
+
+    #[test]
+    fn a_page_keeps_the_newest_rows_that_fit_whatever_order_they_come_in() {
+        let mut bytes = budget(350, 10_000);
+        let mut page = Gathered::default();
+        for (seq, len) in [(8, 100), (10, 100), (7, 200), (9, 100), (6, 10)] {
+            page.offer(row(seq, len), &mut bytes);
+        }
+        // 8 and 10 fit, 7 would not (400 bytes) and is left out, 9 still
+        // fits, 6 is below a row left out and skipped.
+        assert_eq!(
+            seqs(&page.finish()),
+            (vec![10, 9, 8], Some(Timestamp::from_micros(7)))
+        );
+        let mut page = Gathered::default();
+        page.offer(row(5, 1000), &mut budget(250, 10_000));
+        assert_eq!(seqs(&page.finish()), (vec![5], None), "one row always fits");
+    }
+
+    #[test]
+    fn a_read_past_the_batch_bytes_is_given_back_unread() {
+        let mut bytes = budget(250, 300);
+        let (mut a, mut b) = (Gathered::default(), Gathered::default());
+        a.offer(row(2, 100), &mut bytes);
+        a.offer(row(1, 100), &mut bytes);
+        b.offer(row(9, 50), &mut bytes);
+        b.offer(row(8, 100), &mut bytes);
+        assert_eq!(bytes.kept, 200, "b's rows are dropped with it");
+        assert_eq!(seqs(&a.finish()), (vec![2, 1], None));
+        let b = b.finish();
+        assert!(b.rows.as_ref().unwrap().unread());
     }
 }

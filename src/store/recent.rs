@@ -28,7 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::batch::PageBack;
-use super::sql::PageRow;
+use super::PageRow;
 use crate::domain::{StoredMessage, Tenant, Timestamp, UserId};
 
 /// Which state of a user's history a page was read from, and on which

@@ -23,8 +23,9 @@ use super::batch::{run_with, Append, Batcher, Limits, PageBack, Server};
 use super::recent::{Mark, RecentPages};
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
-    saved, users_page, KeyRecord, MessageRecord, PoolStatus, RetentionReport, SeenKey, Store,
-    StoreError, StreamSlots, TranscriptStream, UserRecord, UserRows,
+    saved, users_page, ConnectOptions, KeyRecord, MessageRecord, Page, PageCut, PageRow,
+    PoolStatus, RetentionReport, SeenKey, Store, StoreError, StreamSlots, TranscriptStream,
+    UserRecord, UserRows,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -138,11 +139,15 @@ pub trait Dialect: Database + HasStatementCache {
     /// `PAGE_BACK` for each of `reads`, in one statement, with each user's
     /// mark: a read that comes with the user's mark as it still is (`known`)
     /// gets no rows, the page it holds being that one (see `recent.rs`).
+    /// Each page is cut at `page_bytes` (see [`Page`]); the pages of the
+    /// batch together keep at most [`BATCH_PAGE_BUDGETS`] times that, and
+    /// a read whose rows did not fit comes back unread, to be made alone.
     async fn pages_back_many(
         conn: &mut Self::Connection,
         prepared: bool,
         reads: &[PageBack],
         known: &[Option<Mark>],
+        page_bytes: usize,
     ) -> Result<Vec<CheckedPage>, StoreError>;
 
     /// Locks the rows of `users` (in key order, each once), creating those
@@ -186,6 +191,8 @@ pub struct SqlStore<DB: Database> {
     readers: Option<Pool<DB>>,
     /// Named, cached statements; false behind a pooler in transaction mode.
     prepared: bool,
+    /// Where a history page is cut (`ConnectOptions::page_bytes`).
+    page_bytes: usize,
     streams: StreamSlots,
     /// Who holds the retention lease when this store does.
     holder: String,
@@ -194,22 +201,23 @@ pub struct SqlStore<DB: Database> {
     batches: Option<Arc<Batches>>,
 }
 
-/// A message as a page read returns it: `seq`, `created_at`, body.
-pub type PageRow = (i64, Timestamp, String);
-
 /// A page as `Dialect::pages_back_many` reads it: the user's mark (none
 /// for a user never written), and its rows, newest first, or none when the
 /// mark was still the one the read came with.
 pub struct CheckedPage {
     pub mark: Option<Mark>,
-    pub rows: Option<Vec<PageRow>>,
+    pub rows: Option<Page>,
 }
+
+/// The bodies one batched read statement keeps, at most, in pages' byte
+/// budgets (`CHAT_HISTORY_MAX_PAGE_BYTES`), beside the first row it reads.
+pub const BATCH_PAGE_BUDGETS: usize = 4;
 
 /// Appends share commits; on a dialect that reads many users' pages in one
 /// statement, reads of the newest messages share statements.
 struct Batches {
     commits: Batcher<Append, AppendOutcome>,
-    pages: Option<Batcher<PageBack, Vec<PageRow>>>,
+    pages: Option<Batcher<PageBack, Page>>,
     /// The pages the reads keep, which appends follow.
     recent: Option<Arc<RecentPages>>,
 }
@@ -230,6 +238,7 @@ impl<DB: Database> Clone for SqlStore<DB> {
             pool: self.pool.clone(),
             readers: self.readers.clone(),
             prepared: self.prepared,
+            page_bytes: self.page_bytes,
             streams: self.streams.clone(),
             holder: self.holder.clone(),
             batches: None,
@@ -328,13 +337,14 @@ impl<DB: Database> SqlStore<DB> {
         pool: Pool<DB>,
         readers: Option<Pool<DB>>,
         prepared: bool,
-        max_connections: u32,
+        options: &ConnectOptions,
     ) -> Self {
         Self {
             pool,
             readers,
             prepared,
-            streams: StreamSlots::new(max_connections),
+            page_bytes: options.page_bytes,
+            streams: StreamSlots::new(options.max_connections),
             holder: lease_holder(),
             batches: None,
         }
@@ -435,23 +445,29 @@ where
         mut session: Session<'_, DB>,
         batch: &[PageBack],
         recent: Option<&RecentPages>,
-    ) -> Result<Vec<Vec<PageRow>>, StoreError> {
+    ) -> Result<Vec<Page>, StoreError> {
         if let ([one], None) = (batch, recent) {
-            let rows = self
+            let query = self
                 .user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
                 .bind(one.below)
-                .bind(one.fetch)
-                .fetch_all(session.conn())
-                .await?;
+                .bind(one.fetch);
+            let page = self.read_page(query, session.conn()).await?;
             session.done().await?;
-            return Ok(vec![rows]);
+            return Ok(vec![page]);
         }
         let kept: Vec<_> = batch
             .iter()
             .map(|read| recent.and_then(|r| r.lookup(read)))
             .collect();
         let known: Vec<Option<Mark>> = kept.iter().map(|k| k.as_ref().map(|k| k.mark)).collect();
-        let checked = DB::pages_back_many(session.conn(), self.prepared, batch, &known).await?;
+        let checked = DB::pages_back_many(
+            session.conn(),
+            self.prepared,
+            batch,
+            &known,
+            self.page_bytes,
+        )
+        .await?;
         session.done().await?;
         let mut hits = 0;
         let pages = batch
@@ -460,14 +476,15 @@ where
             .zip(checked)
             .map(|((read, kept), page)| match (page.rows, kept) {
                 (Some(rows), _) => {
-                    if let Some((recent, mark)) = recent.zip(page.mark) {
-                        recent.keep(read, mark, &rows);
+                    // A cut page is not the user's newest `fetch`: not kept.
+                    if let (Some((recent, mark)), None) = (recent.zip(page.mark), rows.cut) {
+                        recent.keep(read, mark, &rows.rows);
                     }
                     Ok(rows)
                 }
                 (None, Some(kept)) => {
                     hits += 1;
-                    Ok(kept.page(read))
+                    Ok(PageCut::all(self.page_bytes, kept.page(read)))
                 }
                 (None, None) => Err(StoreError::Corrupt(
                     "a page read came back unread with no page kept for it".into(),
@@ -682,6 +699,26 @@ where
             .persistent(self.prepared)
             .bind(tenant.as_str())
             .bind(user)
+    }
+
+    /// Reads the rows of `query`, a page in its direction, only until the
+    /// page's bytes are full: SQLite stops there, and the rows Postgres
+    /// still sends are dropped as they come, so a page never holds more
+    /// than its budget (and one message).
+    async fn read_page<'q>(
+        &self,
+        query: QueryAs<'q, DB, PageRow, DB::Arguments<'q>>,
+        conn: &mut DB::Connection,
+    ) -> Result<Page, StoreError> {
+        use futures_util::TryStreamExt;
+        let mut rows = query.fetch(conn);
+        let mut cut = PageCut::new(self.page_bytes);
+        while let Some(row) = rows.try_next().await? {
+            if !cut.offer(row) {
+                break;
+            }
+        }
+        Ok(cut.page)
     }
 
     fn scalar<'q, O>(&self, sql: &'q str) -> QueryScalar<'q, DB, O, DB::Arguments<'q>>
@@ -1236,7 +1273,7 @@ where
     ) -> Result<HistoryPage, StoreError> {
         let fetch = i64::from(query.limit) + 1;
         let before = query.before.unwrap_or(i64::MAX);
-        let rows: Vec<PageRow> = match query.after {
+        let page = match query.after {
             None => {
                 let read = PageBack {
                     tenant: tenant.clone(),
@@ -1244,9 +1281,14 @@ where
                     below: before,
                     fetch,
                 };
-                match self.batches.as_ref().and_then(|b| b.pages.as_ref()) {
-                    Some(pages) => pages.submit(read).await?,
-                    None => {
+                let batched = match self.batches.as_ref().and_then(|b| b.pages.as_ref()) {
+                    Some(pages) => Some(pages.submit(read.clone()).await?),
+                    None => None,
+                };
+                match batched {
+                    Some(page) if !page.unread() => page,
+                    // Not batched, or its rows did not fit its batch's bytes.
+                    _ => {
                         let session = self.reader().await?;
                         let mut pages = self
                             .pages_back(session, std::slice::from_ref(&read), None)
@@ -1263,22 +1305,22 @@ where
                     .bind(not_before)
                     .fetch_optional(session.conn())
                     .await?;
-                let rows = match window_start {
-                    None => Vec::new(),
+                let page = match window_start {
+                    None => Page::default(),
                     Some(start) => {
-                        self.user_rows(PAGE_FORWARD, tenant, user.as_str())
+                        let query = self
+                            .user_rows(PAGE_FORWARD, tenant, user.as_str())
                             .bind(after.max(start - 1))
                             .bind(before)
-                            .bind(fetch)
-                            .fetch_all(session.conn())
-                            .await?
+                            .bind(fetch);
+                        self.read_page(query, session.conn()).await?
                     }
                 };
                 session.done().await?;
-                rows
+                page
             }
         };
-        assemble_page(rows, query)
+        assemble_page(page, query)
     }
 
     async fn message(

@@ -48,10 +48,8 @@ pub async fn connect(url: &str, options: ConnectOptions) -> Result<SqliteStore, 
         .await?;
     let readers = pool_options::<Sqlite>(options.max_connections, &options)
         .connect_lazy_with(connect.read_only(true));
-    Ok(
-        SqlStore::new(writer, Some(readers), true, options.max_connections)
-            .with_batching(options.commit_batch, None),
-    )
+    Ok(SqlStore::new(writer, Some(readers), true, &options)
+        .with_batching(options.commit_batch, None))
 }
 
 #[async_trait]
@@ -204,6 +202,7 @@ WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2))
         _prepared: bool,
         _reads: &[PageBack],
         _known: &[Option<Mark>],
+        _page_bytes: usize,
     ) -> Result<Vec<CheckedPage>, StoreError> {
         Err(StoreError::Corrupt(
             "SQLite reads pages one statement each (READS_MANY is false)".into(),

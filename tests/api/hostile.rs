@@ -14,7 +14,7 @@ use axum::http::{header, Method, Request, StatusCode};
 use axum::routing::get;
 use axum::Router;
 use chat_history::auth::Access;
-use chat_history::domain::{NewMessage, Tenant, Timestamp, UserId};
+use chat_history::domain::{HistoryPage, HistoryQuery, NewMessage, Tenant, Timestamp, UserId};
 use chat_history::server::launch;
 use chat_history::store::ConnectOptions;
 use chat_history::{AppState, Limits};
@@ -32,6 +32,9 @@ on_both_backends!(
     clearing_a_long_history_works_in_batches,
     retention_runs_on_a_pool_of_one_connection,
     slow_transcript_readers_cannot_hold_every_connection,
+    history_pages_are_cut_at_their_bytes_and_page_on_to_every_message,
+    batched_page_reads_are_cut_alike_whatever_else_the_batch_reads,
+    a_replica_cuts_pages_at_max_page_bytes,
 );
 
 #[tokio::test]
@@ -654,4 +657,213 @@ async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) 
         read += 1;
     }
     assert_eq!(read, 100);
+}
+
+/// Messages of about 1 KiB each (`{"role":"user","content":"0007xxx…"}`):
+/// three fit a page of 4 KiB, a fourth does not.
+fn kib_messages(from: usize, n: usize) -> Vec<NewMessage> {
+    (from..from + n)
+        .map(|i| {
+            let content = format!("{i:04}{}", "x".repeat(1000));
+            NewMessage::from_value(json!({"role": "user", "content": content}), "m").unwrap()
+        })
+        .collect()
+}
+
+/// A store whose history pages hold 4 KiB of bodies.
+async fn store_with_4_kib_pages(db: &TestDb) -> Arc<dyn chat_history::store::Store> {
+    let store = chat_history::store::connect(
+        &chat_history::store::DatabaseUrl::new(&db.url),
+        ConnectOptions {
+            page_bytes: 4 << 10,
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+fn page_query(limit: u32, before: Option<i64>, after: Option<i64>) -> HistoryQuery {
+    HistoryQuery {
+        limit,
+        not_before: None,
+        before,
+        after,
+    }
+}
+
+fn seqs(page: &HistoryPage) -> Vec<i64> {
+    page.messages.iter().map(|m| m.seq).collect()
+}
+
+async fn history_pages_are_cut_at_their_bytes_and_page_on_to_every_message(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = store_with_4_kib_pages(&db).await;
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+    let now = Timestamp::now();
+    for chunk in 0..4 {
+        store
+            .append_messages(
+                &tenant,
+                &user,
+                &kib_messages(chunk * 10, 10),
+                now,
+                None,
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    // Backwards: the newest three, then three at a time down to the first.
+    let newest = store
+        .history_window(&tenant, &user, page_query(1000, None, None))
+        .await
+        .unwrap();
+    assert_eq!(seqs(&newest), [38, 39, 40]);
+    assert!(newest.has_more, "a page cut for its bytes has more");
+    let mut read = seqs(&newest);
+    let mut page = newest;
+    while page.has_more {
+        let before = page.messages[0].seq;
+        page = store
+            .history_window(&tenant, &user, page_query(1000, Some(before), None))
+            .await
+            .unwrap();
+        assert!((1..=3).contains(&page.messages.len()), "{:?}", seqs(&page));
+        read.splice(0..0, seqs(&page));
+    }
+    assert_eq!(read, (1..=40).collect::<Vec<i64>>());
+    // Forwards from the beginning, alike.
+    let mut read = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = store
+            .history_window(&tenant, &user, page_query(1000, None, Some(after)))
+            .await
+            .unwrap();
+        assert!((1..=3).contains(&page.messages.len()), "{:?}", seqs(&page));
+        read.extend(seqs(&page));
+        after = *read.last().unwrap();
+        if !page.has_more {
+            break;
+        }
+    }
+    assert_eq!(read, (1..=40).collect::<Vec<i64>>());
+    // A limit the bytes allow is served whole, as ever.
+    let two = store
+        .history_window(&tenant, &user, page_query(2, None, None))
+        .await
+        .unwrap();
+    assert_eq!((seqs(&two), two.has_more), (vec![39, 40], true));
+    // A message larger than the page is still served, alone.
+    let big = json!({"role": "user", "content": "y".repeat(10_000)});
+    store
+        .append_messages(
+            &tenant,
+            &user,
+            &[NewMessage::from_value(big, "m").unwrap()],
+            now,
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    let page = store
+        .history_window(&tenant, &user, page_query(1000, None, None))
+        .await
+        .unwrap();
+    assert_eq!((seqs(&page), page.has_more), (vec![41], true));
+    let page = store
+        .history_window(&tenant, &user, page_query(1000, Some(41), None))
+        .await
+        .unwrap();
+    assert_eq!((seqs(&page), page.has_more), (vec![38, 39, 40], true));
+    // A cut whose next message is older than the age window has no more.
+    let aged = UserId::parse("aged").unwrap();
+    let old = now.minus_seconds(7200);
+    store
+        .append_messages(&tenant, &aged, &kib_messages(0, 5), old, None, None)
+        .await
+        .unwrap();
+    store
+        .append_messages(&tenant, &aged, &kib_messages(5, 3), now, None, None)
+        .await
+        .unwrap();
+    let window = HistoryQuery {
+        not_before: Some(now.minus_seconds(3600)),
+        ..page_query(1000, None, None)
+    };
+    let page = store.history_window(&tenant, &aged, window).await.unwrap();
+    assert_eq!((seqs(&page), page.has_more), (vec![6, 7, 8], false));
+}
+
+async fn batched_page_reads_are_cut_alike_whatever_else_the_batch_reads(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = store_with_4_kib_pages(&db).await;
+    let tenant = Tenant::default_tenant();
+    let users: Vec<UserId> = (0..48)
+        .map(|i| UserId::parse(format!("user{i}")).unwrap())
+        .collect();
+    for user in &users {
+        store
+            .append_messages(
+                &tenant,
+                user,
+                &kib_messages(0, 10),
+                Timestamp::now(),
+                None,
+                None,
+            )
+            .await
+            .unwrap();
+    }
+    // Read together (on Postgres, in shared statements, whose bytes are
+    // bounded too: reads that do not fit one are made alone), twice.
+    for _ in 0..2 {
+        let pages = futures_util::future::join_all(users.iter().map(|user| {
+            let (store, tenant) = (store.clone(), tenant.clone());
+            async move {
+                store
+                    .history_window(&tenant, user, page_query(1000, None, None))
+                    .await
+                    .unwrap()
+            }
+        }))
+        .await;
+        for (user, page) in users.iter().zip(pages) {
+            assert_eq!(
+                (seqs(&page), page.has_more),
+                (vec![8, 9, 10], true),
+                "{}",
+                user.as_str()
+            );
+        }
+    }
+}
+
+async fn a_replica_cuts_pages_at_max_page_bytes(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let replica = Replica::start_with(&db.url, &[("CHAT_HISTORY_MAX_PAGE_BYTES", "4KiB")]);
+    let messages: Vec<Value> = (0..10)
+        .map(|i| json!({"role": "user", "content": format!("{i:04}{}", "x".repeat(1000))}))
+        .collect();
+    let (status, _) = replica.http(
+        "POST",
+        "/v1/users/u/messages",
+        Some(&json!({ "messages": messages })),
+    );
+    assert_eq!(status, 201);
+    let (status, body) = replica.http("GET", "/v1/users/u/messages?limit=1000", None);
+    assert_eq!(status, 200);
+    let page: Value = serde_json::from_str(&body).unwrap();
+    let seqs: Vec<i64> = page["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["seq"].as_i64().unwrap())
+        .collect();
+    assert_eq!(seqs, [8, 9, 10]);
+    assert_eq!(page["has_more"], true);
 }
