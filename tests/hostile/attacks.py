@@ -688,13 +688,20 @@ def attack_number_bodies_rss(run):
     unreadable = 0
     expected = json.loads(message)
     for user, first, last, n in stored:
-        status, _, data = http_request(
-            srv.port, "GET", f"/v1/users/{user}/messages?after={first - 1}&limit=1000", timeout=120)
-        ok = status == 200 and n == 1000
-        if ok and data.count(content) != 1000:  # fast path failed: compare as JSON values
-            msgs = json.loads(data)["messages"]
-            ok = (len(msgs) == 1000 and msgs[0]["seq"] == first and msgs[-1]["seq"] == last
-                  and all(m["message"] == expected for m in msgs))
+        # 8 MB of messages is more than one page holds (CHAT_HISTORY_MAX_PAGE_BYTES,
+        # 4 MiB): page on with `after` until the last, as a client would.
+        ok, after = n == 1000, first - 1
+        while ok and after < last:
+            status, _, data = http_request(
+                srv.port, "GET", f"/v1/users/{user}/messages?after={after}&limit=1000", timeout=120)
+            seqs = [int(x) for x in re.findall(rb'"seq":(\d+)', data)]
+            ok = status == 200 and bool(seqs) and seqs == list(range(after + 1, after + 1 + len(seqs)))
+            if ok and data.count(content) != len(seqs):  # fast path failed: compare as JSON values
+                ok = all(m["message"] == expected for m in json.loads(data)["messages"])
+            more = data.rstrip().endswith(b'"has_more":true}')
+            if ok and not more and seqs[-1] != last:
+                ok = False
+            after = seqs[-1] if seqs else after
         unreadable += not ok
     figure = (f"peak RSS +{rss.growth_mb:.0f} MB; "
               + ", ".join(f"{v}x {k}" for k, v in sorted(counts.items(), key=str))
