@@ -119,9 +119,11 @@ pub struct Limits {
     pub default_window: Option<Duration>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
-    /// The bodies of all requests in flight together, in bytes.
+    /// The bodies of all requests in flight, and of the answers over 64 KiB
+    /// not yet sent, together, in bytes.
     pub max_in_flight_body_bytes: usize,
-    /// A request still running after this gets a 503, so shutdown cannot hang.
+    /// A request still running after this gets a 503, so shutdown cannot hang;
+    /// a client that takes none of its answer for this long is disconnected.
     pub request_timeout: Duration,
     /// A request head must arrive within this; idle keep-alive connections
     /// are closed after it too.
@@ -246,8 +248,9 @@ pub struct Config {
     )]
     pub max_body_bytes: ByteSize,
 
-    /// The bodies of all requests in flight together, at most (at most
-    /// 64GiB); a request that would go past it gets 503.
+    /// The bodies of all requests in flight, and of the answers over 64 KiB
+    /// not yet sent, together, at most (at most 64GiB); a request, or an
+    /// answer to a read, that would go past it gets 503.
     #[arg(
         long,
         env = "CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES",
@@ -258,7 +261,8 @@ pub struct Config {
     pub max_in_flight_body_bytes: ByteSize,
 
     /// A request running longer than this gets a 503, and shutdown waits no
-    /// longer (at most 1d).
+    /// longer; a client that takes none of its answer for this long is
+    /// disconnected (at most 1d).
     #[arg(
         long,
         env = "CHAT_HISTORY_REQUEST_TIMEOUT",

@@ -13,6 +13,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio_io_timeout::TimeoutStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{router, AppState};
@@ -160,7 +161,10 @@ async fn connect_and_migrate(config: &Config) -> Result<Arc<dyn Store>, StartErr
 /// within `header_timeout` (hyper runs the same clock while a keep-alive
 /// connection waits for its next request, which closes idle connections);
 /// at most `max_connections` are open at once, and one more is answered 503
-/// and closed rather than queued.
+/// and closed rather than queued. A client that takes none of what the
+/// server writes to it for `request_timeout` is disconnected, so that a
+/// reader that stops reading gives back its connection, and the answer
+/// bytes it holds (see `protect`), instead of keeping them for ever.
 pub async fn launch(
     listener: TcpListener,
     state: AppState,
@@ -194,8 +198,10 @@ pub async fn launch(
             continue;
         };
         let _ = stream.set_nodelay(true);
+        let mut stream = TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(limits.request_timeout));
         let connection =
-            graceful.watch(http.serve_connection(TokioIo::new(stream), service.clone()));
+            graceful.watch(http.serve_connection(TokioIo::new(Box::pin(stream)), service.clone()));
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!("connection ended: {e}");

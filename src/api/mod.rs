@@ -115,16 +115,17 @@ struct Guards {
 
 /// Counts and times every routed request, whatever its answer; sheds it
 /// when the server's budgets are full (503), then checks its key (401, 403,
-/// 429). One middleware rather than three: each costs a boxed service and
-/// future per request.
+/// 429), and holds a large answer in the budgets until it is sent. One
+/// middleware rather than three: each costs a boxed service and future per
+/// request.
 async fn guard(State(guards): State<Guards>, mut request: Request, next: Next) -> Response {
     let timer = telemetry::RequestTimer::start(&request);
     let response = match guards.budgets.admit(&request) {
         Err(busy) => *busy,
         // Held until the request is answered.
-        Ok(_admitted) => match auth::authorize(&guards.access, &mut request) {
+        Ok(admitted) => match auth::authorize(&guards.access, &mut request) {
             Err(refused) => *refused,
-            Ok(()) => next.run(request).await,
+            Ok(()) => admitted.hold_answer(next.run(request).await).await,
         },
     };
     timer.finish(&response);

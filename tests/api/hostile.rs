@@ -375,6 +375,106 @@ async fn bodies_over_the_in_flight_byte_budget_get_503() {
     assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
 }
 
+/// Sends a GET for `path` over a small receive buffer and reads none of
+/// the answer: hyper soon cannot write more of it.
+async fn stall_on(served: &Served, path: &str) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let stream = socket.connect(served.address).await.unwrap();
+    let mut stream = stream.into_std().unwrap();
+    stream.set_nonblocking(false).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    stream
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_answer_holds_body_budget_until_sent_and_a_reader_that_stalls_is_cut_off() {
+    let served = Served::start(Limits {
+        max_body_bytes: 8 << 20,
+        max_in_flight_body_bytes: 8 << 20,
+        request_timeout: Duration::from_secs(3),
+        ..Limits::default()
+    })
+    .await;
+    let length = 6 << 20;
+    let stream = served.connect();
+    let stored = tokio::task::spawn_blocking(move || {
+        finish_append(start_append_to(stream, "big", length), length)
+    })
+    .await
+    .unwrap();
+    assert!(
+        stored.starts_with("HTTP/1.1 201"),
+        "{}",
+        &stored[..stored.len().min(600)]
+    );
+    let stream = served.connect();
+    let stored = tokio::task::spawn_blocking(move || {
+        finish_append(start_append_to(stream, "small", 100), 100)
+    })
+    .await
+    .unwrap();
+    assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
+
+    // A reader that takes nothing of its 6 MiB answer keeps 6 of the 8 MiB.
+    let stalled = stall_on(&served, "/v1/users/big/messages").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let shed = get_status(&served, "/v1/users/big/messages").await;
+    assert!(
+        shed.starts_with("HTTP/1.1 503"),
+        "{}",
+        &shed[..shed.len().min(300)]
+    );
+    assert!(
+        shed.contains("CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES"),
+        "{shed}"
+    );
+    assert!(
+        shed.to_ascii_lowercase().contains("retry-after: 1"),
+        "{shed}"
+    );
+    // Small answers and small bodies still fit.
+    let small = get_status(&served, "/v1/users/small/messages").await;
+    assert!(small.starts_with("HTTP/1.1 200"), "{small}");
+    let stream = served.connect();
+    let stored = tokio::task::spawn_blocking(move || {
+        finish_append(start_append_to(stream, "small", 100), 100)
+    })
+    .await
+    .unwrap();
+    assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
+
+    // After CHAT_HISTORY_REQUEST_TIMEOUT (3 s) without taking a byte, the
+    // reader is disconnected and its answer's bytes are given back.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    let whole = get_status(&served, "/v1/users/big/messages").await;
+    assert!(
+        whole.starts_with("HTTP/1.1 200"),
+        "{}",
+        &whole[..whole.len().min(300)]
+    );
+    assert!(whole.len() > length, "{} bytes", whole.len());
+    let taken = tokio::task::spawn_blocking(move || {
+        let mut stalled = stalled;
+        let mut bytes = Vec::new();
+        let _ = stalled.read_to_end(&mut bytes);
+        bytes.len()
+    })
+    .await
+    .unwrap();
+    assert!(
+        taken < length,
+        "the stalled reader still got {taken} bytes, its whole answer"
+    );
+}
+
 #[tokio::test]
 async fn a_panic_is_a_problem_500_and_the_service_stays_up() {
     let app = chat_history::api::outer_layers(Router::new().route(

@@ -5,7 +5,7 @@ Plays, against a real `BINARY serve` process on 127.0.0.1, the attacks that
 SPEC.md's "Limits that protect every caller" and "Configuration" sections
 say one caller (or one odd environment) must not win: metrics label
 explosion, slow and idle connections, connection floods, huge transcripts,
-number-heavy bodies, Kubernetes and non-UTF-8 environments, variables the
+number-heavy bodies, readers that never read, Kubernetes and non-UTF-8 environments, variables the
 libraries underneath read (tokio's, libpq's), absurd caps and
 passwords leaking into logs. Each attack prints a figure and checks it
 against what the fixed service must do.
@@ -713,6 +713,79 @@ def attack_number_bodies_rss(run):
     return Result(figure, ok)
 
 
+SLOW_READERS = 300
+
+
+def attack_slow_readers_rss(run):
+    """Callers that ask for a 4 MiB page and then read nothing of it must
+    not pin their pages in memory: an answer over 64 KiB holds bytes of the
+    in-flight body budget until it is sent (past the budget: 503), and a
+    client that takes nothing of its answer for CHAT_HISTORY_REQUEST_TIMEOUT
+    is disconnected, which gives its bytes back."""
+    timeout = 8
+    srv = run.server(env={"CHAT_HISTORY_REQUEST_TIMEOUT": f"{timeout}s"},
+                     new={"CHAT_HISTORY_MAX_IN_FLIGHT_BODY_BYTES": "64MiB"}, fallback=True)
+    message = {"role": "user", "content": "y" * (MIB - 100)}
+    for user, n in (("wide", 4), ("narrow", 1)):
+        for _ in range(n):
+            body = json.dumps({"messages": [message if user == "wide" else {"role": "user", "content": "hi"}]})
+            status = http_request(srv.port, "POST", f"/v1/users/{user}/messages", body.encode(), json_headers())[0]
+            if status != 201:
+                return Result(f"setup: an append answered {status}", False)
+    wide = "/v1/users/wide/messages?limit=100"
+    whole = len(http_request(srv.port, "GET", wide)[2])
+    request = f"GET {wide} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    readers = []
+    try:
+        with RssPeak(srv) as rss:
+            for _ in range(SLOW_READERS):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                s.connect(("127.0.0.1", srv.port))
+                s.sendall(request)
+                readers.append(s)
+            time.sleep(3)  # their pages are read, and their answers stuck
+            during = http_request(srv.port, "GET", "/v1/users/narrow/messages", timeout=10)[0]
+        # Past the timeout every stuck reader must have been disconnected.
+        time.sleep(timeout + 2)
+        after_status, _, after_body = http_request(srv.port, "GET", wide, timeout=30)
+        got = {s: b"" for s in readers}
+        open_ = set(readers)
+        deadline = time.monotonic() + 10
+        while open_ and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(open_), [], [], 0.5)
+            for s in ready:
+                try:
+                    chunk = s.recv(1 << 20)
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    got[s] += chunk
+                else:
+                    open_.discard(s)
+    finally:
+        for s in readers:
+            s.close()
+    counts = {}
+    for data in got.values():
+        head = data.split(b"\r\n", 1)[0]
+        if head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in data.lower():
+            kind = "503"
+        elif head.startswith(b"HTTP/1.1 200"):
+            kind = "200 whole" if len(data) >= whole else "200 cut off"
+        else:
+            kind = "other: " + head[:40].decode(errors="replace")
+        counts[kind] = counts.get(kind, 0) + 1
+    figure = (f"{SLOW_READERS} readers of a {whole / MIB:.0f} MiB page read nothing: peak RSS +{rss.growth_mb:.0f} MB; "
+              + ", ".join(f"{v}x {k}" for k, v in sorted(counts.items()))
+              + f"; still open after {timeout + 12} s: {len(open_)}; a small read meanwhile {during}"
+              + f", the page after {after_status}")
+    ok = (rss.growth_mb < 200 and during == 200 and after_status == 200
+          and len(after_body) == whole and not open_
+          and not any(k.startswith("other") for k in counts))
+    return Result(figure, ok)
+
+
 def wait_start_or_exit(server, timeout):
     """'ready', or 'exit N' if the process ended first, or 'hung'."""
     try:
@@ -878,6 +951,7 @@ ATTACKS = {
     "transcript-read-rss": (attack_transcript_read_rss, True, 240),
     "transcript-put-cap": (attack_transcript_put_cap, True, 240),
     "number-bodies-rss": (attack_number_bodies_rss, True, 180),
+    "slow-readers-rss": (attack_slow_readers_rss, True, 120),
     "kubernetes-env": (attack_kubernetes_env, False, 40),
     "non-utf8-env": (attack_non_utf8_env, False, 60),
     "huge-cap": (attack_huge_cap, False, 40),
