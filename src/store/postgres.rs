@@ -86,6 +86,9 @@ impl Dialect for Postgres {
     const BEGIN_WRITE: &'static str = "BEGIN";
     const BEGIN_SNAPSHOT: &'static str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
     const ONE_STATEMENT_APPEND: bool = true;
+    const PAGE_BACK: &'static str = PAGE_BACK;
+    const PAGE_FORWARD: &'static str = PAGE_FORWARD;
+    const PAGE_BYTES_IN_SQL: bool = true;
     const NOW_MICROS: &'static str = "SELECT (extract(epoch FROM now()) * 1000000)::bigint";
     const LOCK_USER_ROW: &'static str =
         "SELECT version FROM chat_users WHERE tenant = $1 AND user_id = $2 FOR UPDATE";
@@ -286,6 +289,7 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
             .bind(column(known, |k| {
                 k.map(|k| k.server_started_at.to_datetime())
             }))
+            .bind(i64::try_from(page_bytes).unwrap_or(i64::MAX))
             .fetch(conn);
         let mut pages: Vec<Gathered> = reads.iter().map(|_| Gathered::default()).collect();
         let mut budget = BatchBytes {
@@ -429,12 +433,48 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 "#
 );
 
+// Which rows of a page the server sends: each row while the bodies of the
+// rows before it fit the page's byte budget, so the first row that does not
+// fit comes too (for `has_more` and the age filter), and none after it.
+// `octet_length` reads a stored body's length from its TOAST header: bodies
+// left out are neither decompressed nor sent. The window runs over the
+// rows the `LIMIT` takes, in index order: no sort.
+
+/// `sql::PAGE_BACK`, sending no row past the page's bytes (`$5`).
+const PAGE_BACK: &str = r#"
+SELECT seq, created_at, message FROM (
+    SELECT seq, created_at, message,
+        count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
+    FROM chat_messages
+    WHERE tenant = $1 AND user_id = $2 AND seq < $3
+    WINDOW ahead AS (ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    ORDER BY seq DESC LIMIT $4
+) page
+WHERE rows_ahead < 2 OR bytes_ahead <= $5
+ORDER BY seq DESC
+"#;
+
+/// `sql::PAGE_FORWARD`, sending no row past the page's bytes (`$6`).
+const PAGE_FORWARD: &str = r#"
+SELECT seq, created_at, message FROM (
+    SELECT seq, created_at, message,
+        count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
+    FROM chat_messages
+    WHERE tenant = $1 AND user_id = $2 AND seq > $3 AND seq < $4
+    WINDOW ahead AS (ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    ORDER BY seq LIMIT $5
+) page
+WHERE rows_ahead < 2 OR bytes_ahead <= $6
+ORDER BY seq
+"#;
+
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
 /// user `$1`/`$2`, with the slot (from 1) of the read each row is for and
 /// the user's mark (`version`, `last_created_at`, and when the server
 /// started). A read whose mark `$5`/`$6`/`$7` is still the user's gets one
 /// row with its mark and no message: its messages are not read. Each
-/// user's rows are one index range, as `PAGE_BACK` reads them. The rows
+/// user's rows are one index range, as `PAGE_BACK` reads them, and stop
+/// after the first that does not fit the page's bytes `$8`. The rows
 /// come in no promised order: `pages_back_many` puts them in theirs, which
 /// costs it less than a sort on the server. The user's row is a lateral
 /// lookup (its `LIMIT` keeps the planner from making it a join): as a join,
@@ -451,12 +491,17 @@ LEFT JOIN LATERAL (
     SELECT version, last_created_at FROM chat_users
     WHERE tenant = b.tenant AND user_id = b.user_id LIMIT 1) u ON true
 LEFT JOIN LATERAL (
-    SELECT seq, created_at, message FROM chat_messages
-    WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
-        AND (b.known_version IS NULL OR u.version IS DISTINCT FROM b.known_version
-             OR u.last_created_at IS DISTINCT FROM b.known_at
-             OR pg_postmaster_start_time() IS DISTINCT FROM b.known_start)
-    ORDER BY seq DESC LIMIT b.n) m ON true
+    SELECT seq, created_at, message FROM (
+        SELECT seq, created_at, message,
+            count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
+        FROM chat_messages
+        WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
+            AND (b.known_version IS NULL OR u.version IS DISTINCT FROM b.known_version
+                 OR u.last_created_at IS DISTINCT FROM b.known_at
+                 OR pg_postmaster_start_time() IS DISTINCT FROM b.known_start)
+        WINDOW ahead AS (ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+        ORDER BY seq DESC LIMIT b.n) page
+    WHERE rows_ahead < 2 OR bytes_ahead <= $8) m ON true
 "#;
 
 /// The bytes of bodies a batch of page reads keeps: each page's own budget,

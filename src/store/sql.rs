@@ -75,6 +75,18 @@ pub trait Dialect: Database + HasStatementCache {
     const SUBTRACT_DELETED: &'static str;
     /// Sets `oldest_at` of the users `$2` from their oldest message.
     const REFRESH_OLDEST: &'static str;
+    /// A page backwards: newest first below `$3`, at most `$4` rows
+    /// ([`PAGE_BACK`] unless the dialect bounds its bytes).
+    const PAGE_BACK: &'static str;
+    /// A page forwards: oldest first after `$3` and below `$4`, at most `$5`
+    /// rows ([`PAGE_FORWARD`] unless the dialect bounds its bytes).
+    const PAGE_FORWARD: &'static str;
+    /// Whether `PAGE_BACK` and `PAGE_FORWARD` take one more parameter, the
+    /// page's byte budget, and leave out the rows after the first that does
+    /// not fit it, so that a page cut short is not followed by rows that
+    /// are read and sent only to be dropped. SQLite has no need: it steps
+    /// no further than the rows the page takes.
+    const PAGE_BYTES_IN_SQL: bool;
 
     /// A list of user ids as one bound value.
     type Names: for<'q> Encode<'q, Self> + Type<Self> + Send + Sync;
@@ -448,7 +460,7 @@ where
     ) -> Result<Vec<Page>, StoreError> {
         if let ([one], None) = (batch, recent) {
             let query = self
-                .user_rows(PAGE_BACK, &one.tenant, one.user.as_str())
+                .user_rows(DB::PAGE_BACK, &one.tenant, one.user.as_str())
                 .bind(one.below)
                 .bind(one.fetch);
             let page = self.read_page(query, session.conn()).await?;
@@ -711,6 +723,11 @@ where
         conn: &mut DB::Connection,
     ) -> Result<Page, StoreError> {
         use futures_util::TryStreamExt;
+        let query = if DB::PAGE_BYTES_IN_SQL {
+            query.bind(i64::try_from(self.page_bytes).unwrap_or(i64::MAX))
+        } else {
+            query
+        };
         let mut rows = query.fetch(conn);
         let mut cut = PageCut::new(self.page_bytes);
         while let Some(row) = rows.try_next().await? {
@@ -1309,7 +1326,7 @@ where
                     None => Page::default(),
                     Some(start) => {
                         let query = self
-                            .user_rows(PAGE_FORWARD, tenant, user.as_str())
+                            .user_rows(DB::PAGE_FORWARD, tenant, user.as_str())
                             .bind(after.max(start - 1))
                             .bind(before)
                             .bind(fetch);
@@ -1721,7 +1738,7 @@ const TRANSCRIPT_ROWS: &str =
 
 /// Newest first below `$3`, bounded by the primary key; the age filter is
 /// applied to the result, which is a prefix because `created_at` follows `seq`.
-const PAGE_BACK: &str = r#"
+pub(super) const PAGE_BACK: &str = r#"
 SELECT seq, created_at, message FROM chat_messages
 WHERE tenant = $1 AND user_id = $2 AND seq < $3
 ORDER BY seq DESC LIMIT $4
@@ -1737,7 +1754,7 @@ ORDER BY created_at, seq LIMIT 1
 
 /// Oldest first after `$3`, below `$4`. The window start is found first
 /// (`WINDOW_START`): SQLite does not turn a subquery bound into an index range.
-const PAGE_FORWARD: &str = r#"
+pub(super) const PAGE_FORWARD: &str = r#"
 SELECT seq, created_at, message FROM chat_messages
 WHERE tenant = $1 AND user_id = $2 AND seq > $3 AND seq < $4
 ORDER BY seq LIMIT $5

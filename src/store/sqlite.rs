@@ -57,6 +57,9 @@ impl Dialect for Sqlite {
     const BEGIN_WRITE: &'static str = "BEGIN IMMEDIATE";
     const BEGIN_SNAPSHOT: &'static str = "BEGIN";
     const ONE_STATEMENT_APPEND: bool = false;
+    const PAGE_BACK: &'static str = super::sql::PAGE_BACK;
+    const PAGE_FORWARD: &'static str = super::sql::PAGE_FORWARD;
+    const PAGE_BYTES_IN_SQL: bool = false;
     const NOW_MICROS: &'static str =
         "SELECT CAST((julianday('now') - 2440587.5) * 86400000000.0 AS INTEGER)";
     const LOCK_USER_ROW: &'static str =

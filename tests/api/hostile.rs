@@ -967,3 +967,114 @@ async fn a_replica_cuts_pages_at_max_page_bytes(backend: Backend) {
     assert_eq!(seqs, [8, 9, 10]);
     assert_eq!(page["has_more"], true);
 }
+
+/// `count` messages of `len` random characters each: they do not compress,
+/// so Postgres keeps each body in TOAST blocks of its own.
+fn incompressible_messages(count: usize, len: usize) -> Vec<NewMessage> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..count)
+        .map(|_| {
+            let content: String = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    ALPHABET[(state % 64) as usize] as char
+                })
+                .collect();
+            NewMessage::from_value(json!({"role": "user", "content": content}), "m").unwrap()
+        })
+        .collect()
+}
+
+/// The TOAST blocks of `chat_messages` that Postgres has read, once the
+/// count has gone past `previous` and settled: a backend reports its counts
+/// after it goes idle, a second or more later.
+async fn toast_blocks_past(conn: &mut sqlx::PgConnection, previous: i64) -> i64 {
+    let mut last = previous;
+    let started = Instant::now();
+    loop {
+        let now: i64 = sqlx::query_scalar(
+            "SELECT (coalesce(toast_blks_hit, 0) + coalesce(toast_blks_read, 0))::bigint
+             FROM pg_statio_user_tables WHERE relname = 'chat_messages'",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if now > previous && now == last {
+            return now;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the TOAST block count never went past {previous} and settled"
+        );
+        last = now;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+}
+
+/// Postgres sends a history page's rows only up to the one that cuts it:
+/// the bodies after it are neither read from TOAST nor sent, whatever the
+/// `limit`. Measured by what the server read: 40 bodies of 128 KiB, read
+/// with `limit=1000` into pages of 4 KiB (one body each), cost a few
+/// bodies' blocks per read, not forty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_sends_no_rows_past_the_cut_of_a_page() {
+    use sqlx::Connection;
+    let db = TestDb::new(Backend::Postgres).await;
+    // One connection: the statement after a read runs on the same one, so
+    // any rows the read left unread are drained (and counted) before it.
+    let store = chat_history::store::connect(
+        &chat_history::store::DatabaseUrl::new(&db.url),
+        ConnectOptions {
+            page_bytes: 4 << 10,
+            max_connections: 1,
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+    store
+        .append_messages(
+            &tenant,
+            &user,
+            &incompressible_messages(40, 128 << 10),
+            Timestamp::now(),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    let mut conn = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
+    let per_body: i64 = sqlx::query_scalar(
+        "SELECT (pg_relation_size(reltoastrelid) / current_setting('block_size')::bigint / 40)::bigint
+         FROM pg_class WHERE relname = 'chat_messages'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        per_body >= 8,
+        "each body should take TOAST blocks: {per_body}"
+    );
+    // Storing the bodies wrote their blocks.
+    let before = toast_blocks_past(&mut conn, 0).await;
+    for (name, query) in [
+        ("back", page_query(1000, None, None)),
+        ("forward", page_query(1000, None, Some(0))),
+        ("back again", page_query(1000, Some(41), None)),
+    ] {
+        let page = store.history_window(&tenant, &user, query).await.unwrap();
+        assert_eq!((page.messages.len(), page.has_more), (1, true), "{name}");
+        let stats = store.user_stats(&tenant, &user).await.unwrap().unwrap();
+        assert_eq!(stats.message_count, 40);
+    }
+    let read = toast_blocks_past(&mut conn, before).await - before;
+    assert!(
+        read <= 3 * 4 * per_body,
+        "three reads of a page of one body read {read} TOAST blocks, {per_body} per body"
+    );
+}
