@@ -375,6 +375,17 @@ async fn bodies_over_the_in_flight_byte_budget_get_503() {
     assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
 }
 
+/// Appends one message of `length` bytes in all to `user` over HTTP; the
+/// whole response.
+async fn append_over_http(served: &Served, user: &'static str, length: usize) -> String {
+    let stream = served.connect();
+    tokio::task::spawn_blocking(move || {
+        finish_append(start_append_to(stream, user, length), length)
+    })
+    .await
+    .unwrap()
+}
+
 /// Sends a GET for `path` over a small receive buffer and reads none of
 /// the answer: hyper soon cannot write more of it.
 async fn stall_on(served: &Served, path: &str) -> TcpStream {
@@ -404,23 +415,13 @@ async fn a_large_answer_holds_body_budget_until_sent_and_a_reader_that_stalls_is
     })
     .await;
     let length = 6 << 20;
-    let stream = served.connect();
-    let stored = tokio::task::spawn_blocking(move || {
-        finish_append(start_append_to(stream, "big", length), length)
-    })
-    .await
-    .unwrap();
+    let stored = append_over_http(&served, "big", length).await;
     assert!(
         stored.starts_with("HTTP/1.1 201"),
         "{}",
         &stored[..stored.len().min(600)]
     );
-    let stream = served.connect();
-    let stored = tokio::task::spawn_blocking(move || {
-        finish_append(start_append_to(stream, "small", 100), 100)
-    })
-    .await
-    .unwrap();
+    let stored = append_over_http(&served, "small", 100).await;
     assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
 
     // A reader that takes nothing of its 6 MiB answer keeps 6 of the 8 MiB.
@@ -443,12 +444,7 @@ async fn a_large_answer_holds_body_budget_until_sent_and_a_reader_that_stalls_is
     // Small answers and small bodies still fit.
     let small = get_status(&served, "/v1/users/small/messages").await;
     assert!(small.starts_with("HTTP/1.1 200"), "{small}");
-    let stream = served.connect();
-    let stored = tokio::task::spawn_blocking(move || {
-        finish_append(start_append_to(stream, "small", 100), 100)
-    })
-    .await
-    .unwrap();
+    let stored = append_over_http(&served, "small", 100).await;
     assert!(stored.starts_with("HTTP/1.1 201"), "{stored}");
 
     // After CHAT_HISTORY_REQUEST_TIMEOUT (3 s) without taking a byte, the
