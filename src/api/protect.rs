@@ -26,7 +26,7 @@ pub struct Budgets {
     /// Body bytes, counted in KiB so that one request fits a `u32` of permits.
     body_kib: Arc<Semaphore>,
     /// All of `body_kib`: what the largest answer reserves.
-    total_kib: u32,
+    total_kib: usize,
     max_body_bytes: usize,
 }
 
@@ -41,12 +41,10 @@ const ANSWER_CHUNK_BYTES: usize = 64 * 1024;
 
 impl Budgets {
     pub fn new(limits: &Limits) -> Self {
-        let total_kib = u32::try_from(limits.max_in_flight_body_bytes.div_ceil(1024))
-            .unwrap_or(u32::MAX)
-            .min(u32::try_from(Semaphore::MAX_PERMITS).unwrap_or(u32::MAX));
+        let total_kib = limits.max_in_flight_body_bytes.div_ceil(1024);
         Self {
             requests: Semaphore::new(limits.max_in_flight),
-            body_kib: Arc::new(Semaphore::new(total_kib as usize)),
+            body_kib: Arc::new(Semaphore::new(total_kib)),
             total_kib,
             max_body_bytes: limits.max_body_bytes,
         }
@@ -105,7 +103,7 @@ impl Admitted<'_> {
         // An answer larger than the whole budget takes all of it.
         let kib = usize::try_from(bytes.div_ceil(1024))
             .unwrap_or(usize::MAX)
-            .min(budgets.total_kib as usize);
+            .min(budgets.total_kib);
         let held = self
             .body
             .as_ref()
