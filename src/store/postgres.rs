@@ -457,33 +457,76 @@ SELECT slot, last_seq, version, message_count, last_created_at FROM placed
 // left out are neither decompressed nor sent. The window runs over the
 // rows the `LIMIT` takes, in index order: no sort.
 
+/// One user's rows of a page, as a subquery `page` whose rows stop after
+/// the first that does not fit the page's bytes: the rows `where` picks,
+/// in `seq` order `order` (`"DESC"` or `"ASC"`), at most `limit` of them,
+/// cut at `bytes`. Each argument is SQL text (a placeholder, a column); the
+/// four statements below differ only in them, so the cut rule is written
+/// once.
+macro_rules! page_rows {
+    (where: $where:expr, order: $order:expr, limit: $limit:expr, bytes: $bytes:expr) => {
+        concat!(
+            r#"SELECT seq, created_at, message FROM (
+        SELECT seq, created_at, message,
+            count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
+        FROM chat_messages
+        WHERE "#,
+            $where,
+            r#"
+        WINDOW ahead AS (ORDER BY seq "#,
+            $order,
+            r#" ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+        ORDER BY seq "#,
+            $order,
+            " LIMIT ",
+            $limit,
+            r#") page
+    WHERE rows_ahead < 2 OR bytes_ahead <= "#,
+            $bytes
+        )
+    };
+}
+
 /// `sql::PAGE_BACK`, sending no row past the page's bytes (`$5`).
-const PAGE_BACK: &str = r#"
-SELECT seq, created_at, message FROM (
-    SELECT seq, created_at, message,
-        count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
-    FROM chat_messages
-    WHERE tenant = $1 AND user_id = $2 AND seq < $3
-    WINDOW ahead AS (ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-    ORDER BY seq DESC LIMIT $4
-) page
-WHERE rows_ahead < 2 OR bytes_ahead <= $5
-ORDER BY seq DESC
-"#;
+const PAGE_BACK: &str = concat!(
+    page_rows!(
+        where: "tenant = $1 AND user_id = $2 AND seq < $3",
+        order: "DESC",
+        limit: "$4",
+        bytes: "$5"
+    ),
+    "\nORDER BY seq DESC"
+);
 
 /// `sql::PAGE_FORWARD`, sending no row past the page's bytes (`$6`).
-const PAGE_FORWARD: &str = r#"
-SELECT seq, created_at, message FROM (
-    SELECT seq, created_at, message,
-        count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
-    FROM chat_messages
-    WHERE tenant = $1 AND user_id = $2 AND seq > $3 AND seq < $4
-    WINDOW ahead AS (ORDER BY seq ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-    ORDER BY seq LIMIT $5
-) page
-WHERE rows_ahead < 2 OR bytes_ahead <= $6
-ORDER BY seq
-"#;
+const PAGE_FORWARD: &str = concat!(
+    page_rows!(
+        where: "tenant = $1 AND user_id = $2 AND seq > $3 AND seq < $4",
+        order: "ASC",
+        limit: "$5",
+        bytes: "$6"
+    ),
+    "\nORDER BY seq"
+);
+
+/// The mark check of `PAGES_BACK` and `PAGE_BACK_CHECKED`: a read whose
+/// known mark (version, newest time, server start) is still the user's
+/// (`u`) reads no messages.
+macro_rules! unless_marked {
+    ($version:expr, $at:expr, $start:expr) => {
+        concat!(
+            "(",
+            $version,
+            " IS NULL OR u.version IS DISTINCT FROM ",
+            $version,
+            "\n                 OR u.last_created_at IS DISTINCT FROM ",
+            $at,
+            "\n                 OR pg_postmaster_start_time() IS DISTINCT FROM ",
+            $start,
+            ")"
+        )
+    };
+}
 
 /// `PAGE_BACK` for many users: the newest `$4` messages below `$3` of each
 /// user `$1`/`$2`, with the slot (from 1) of the read each row is for and
@@ -498,7 +541,8 @@ ORDER BY seq
 /// the one plan made for any batch hashed the batch and scanned all of
 /// `chat_users` for it while the table was small (with 2,000 users, that
 /// halved the reads a second at c=8, and the scan grew with every user).
-const PAGES_BACK: &str = r#"
+const PAGES_BACK: &str = concat!(
+    r#"
 SELECT b.slot, u.version, u.last_created_at AS newest_at,
     pg_postmaster_start_time() AS server_started_at, m.seq, m.created_at, m.message
 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::bigint[],
@@ -508,23 +552,24 @@ LEFT JOIN LATERAL (
     SELECT version, last_created_at FROM chat_users
     WHERE tenant = b.tenant AND user_id = b.user_id LIMIT 1) u ON true
 LEFT JOIN LATERAL (
-    SELECT seq, created_at, message FROM (
-        SELECT seq, created_at, message,
-            count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
-        FROM chat_messages
-        WHERE tenant = b.tenant AND user_id = b.user_id AND seq < b.below
-            AND (b.known_version IS NULL OR u.version IS DISTINCT FROM b.known_version
-                 OR u.last_created_at IS DISTINCT FROM b.known_at
-                 OR pg_postmaster_start_time() IS DISTINCT FROM b.known_start)
-        WINDOW ahead AS (ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-        ORDER BY seq DESC LIMIT b.n) page
-    WHERE rows_ahead < 2 OR bytes_ahead <= $8) m ON true
-"#;
+    "#,
+    page_rows!(
+        where: concat!(
+            "tenant = b.tenant AND user_id = b.user_id AND seq < b.below\n            AND ",
+            unless_marked!("b.known_version", "b.known_at", "b.known_start")
+        ),
+        order: "DESC",
+        limit: "b.n",
+        bytes: "$8"
+    ),
+    ") m ON true\n"
+);
 
 /// `PAGES_BACK` for one read, with its values bound as they are: the user
 /// `$1`/`$2`, `$4` messages below `$3`, the mark `$5`/`$6`/`$7` and the
 /// page's bytes `$8`. Always one row at least (slot 1), as there.
-const PAGE_BACK_CHECKED: &str = r#"
+const PAGE_BACK_CHECKED: &str = concat!(
+    r#"
 SELECT 1::bigint AS slot, u.version, u.last_created_at AS newest_at,
     pg_postmaster_start_time() AS server_started_at, m.seq, m.created_at, m.message
 FROM (VALUES (1)) AS one(n)
@@ -532,18 +577,18 @@ LEFT JOIN LATERAL (
     SELECT version, last_created_at FROM chat_users
     WHERE tenant = $1 AND user_id = $2) u ON true
 LEFT JOIN LATERAL (
-    SELECT seq, created_at, message FROM (
-        SELECT seq, created_at, message,
-            count(*) OVER ahead AS rows_ahead, sum(octet_length(message)) OVER ahead AS bytes_ahead
-        FROM chat_messages
-        WHERE tenant = $1 AND user_id = $2 AND seq < $3
-            AND ($5::bigint IS NULL OR u.version IS DISTINCT FROM $5
-                 OR u.last_created_at IS DISTINCT FROM $6::timestamptz
-                 OR pg_postmaster_start_time() IS DISTINCT FROM $7::timestamptz)
-        WINDOW ahead AS (ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-        ORDER BY seq DESC LIMIT $4) page
-    WHERE rows_ahead < 2 OR bytes_ahead <= $8) m ON true
-"#;
+    "#,
+    page_rows!(
+        where: concat!(
+            "tenant = $1 AND user_id = $2 AND seq < $3\n            AND ",
+            unless_marked!("$5::bigint", "$6::timestamptz", "$7::timestamptz")
+        ),
+        order: "DESC",
+        limit: "$4",
+        bytes: "$8"
+    ),
+    ") m ON true\n"
+);
 
 /// The bytes of bodies a batch of page reads keeps: each page's own budget,
 /// and the batch's, of which `kept` is taken.
