@@ -3,6 +3,7 @@
 //! always prints with six fractional digits. Nothing here knows HTTP or SQL.
 
 use std::fmt;
+use std::sync::Arc;
 
 use chrono::{DateTime, SecondsFormat, Utc};
 use serde::ser::Error as _;
@@ -415,12 +416,13 @@ fn body_digest(
 }
 
 /// A message as the store keeps it: the caller's message, verbatim, with what
-/// the server adds beside it.
+/// the server adds beside it. The body is shared: a page kept for later
+/// reads hands out the same one, checked once, to each of them.
 #[derive(Debug, Clone, Serialize)]
 pub struct StoredMessage {
     pub seq: i64,
     pub created_at: Timestamp,
-    pub message: Box<RawValue>,
+    pub message: Arc<RawValue>,
 }
 
 impl StoredMessage {
@@ -429,7 +431,7 @@ impl StoredMessage {
         Ok(Self {
             seq,
             created_at,
-            message: RawValue::from_string(body)?,
+            message: RawValue::from_string(body)?.into(),
         })
     }
 

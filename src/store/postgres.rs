@@ -26,8 +26,8 @@ use super::fold::{slot_number, Final, Fold};
 use super::recent::{Mark, RecentPages};
 use super::sql::{CheckedPage, Counters, Dialect, SqlStore, BATCH_PAGE_BUDGETS};
 use super::{
-    db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, Page, PageRow, PoolMode,
-    StoreError,
+    body, db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, Page, PageRow,
+    PoolMode, StoreError,
 };
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
@@ -330,7 +330,9 @@ WHERE u.tenant = $1 AND u.user_id = ANY($2)
                     server_started_at: row.server_started_at,
                 });
             match (row.seq, row.created_at, row.message) {
-                (Some(seq), Some(at), Some(body)) => page.offer((seq, at, body), &mut budget),
+                (Some(seq), Some(at), Some(text)) => {
+                    page.offer((seq, at, body(text)?), &mut budget);
+                }
                 // No message: the user has none below the read's `seq`,
                 // or its mark is still the one the read came with.
                 _ if page.mark.is_some() && page.mark == known[slot] => page.unchanged = true,
@@ -620,7 +622,7 @@ impl Gathered {
         if self.unread || seq < newest_left_out {
             return;
         }
-        let len = body.len();
+        let len = body.get().len();
         if !self.rows.is_empty() && self.bytes.saturating_add(len) > budget.page {
             self.left_out = Some((seq, at));
         } else if budget.kept > 0 && budget.kept.saturating_add(len) > budget.batch {
@@ -720,8 +722,10 @@ impl<'r> Decode<'r, Postgres> for Timestamp {
 mod tests {
     use super::*;
 
+    /// A row whose body is `len` bytes of JSON (a string; 2 at least).
     fn row(seq: i64, len: usize) -> PageRow {
-        (seq, Timestamp::from_micros(seq), "x".repeat(len))
+        let text = format!("\"{}\"", "x".repeat(len.saturating_sub(2)));
+        (seq, Timestamp::from_micros(seq), body(text).unwrap())
     }
 
     fn budget(page: usize, batch: usize) -> BatchBytes {

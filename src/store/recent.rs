@@ -178,7 +178,7 @@ impl RecentPages {
         let mut rows: Vec<PageRow> = added
             .iter()
             .rev()
-            .map(|m| (m.seq, m.created_at, m.message.get().to_owned()))
+            .map(|m| (m.seq, m.created_at, m.message.clone()))
             .collect();
         rows.extend(before.rows.iter().cloned());
         if !before.complete {
@@ -220,7 +220,10 @@ impl RecentPages {
     fn cost(&self, key: &Key, rows: &[PageRow]) -> usize {
         ENTRY_BYTES
             + KEY_COPIES * (key.0.as_str().len() + key.1.as_str().len())
-            + rows.iter().map(|r| ROW_BYTES + r.2.len()).sum::<usize>()
+            + rows
+                .iter()
+                .map(|r| ROW_BYTES + r.2.get().len())
+                .sum::<usize>()
     }
 
     /// Keeps `kept` for `key` in place of what was kept for it, then drops
@@ -283,8 +286,15 @@ mod tests {
 
     /// `seqs` newest first, each with a 100-byte body.
     fn rows(seqs: impl Iterator<Item = i64>) -> Vec<PageRow> {
-        seqs.map(|s| (s, Timestamp::from_micros(s), format!("{s:0>100}")))
-            .collect()
+        seqs.map(|s| {
+            let text = format!("\"{s:0>98}\"");
+            (
+                s,
+                Timestamp::from_micros(s),
+                super::super::body(text).unwrap(),
+            )
+        })
+        .collect()
     }
 
     fn mark(version: i64) -> Mark {
@@ -376,7 +386,7 @@ mod tests {
         );
         let page = kept.page(&read("u", i64::MAX, 21));
         assert_eq!(seqs(&page), (32..=52).rev().collect::<Vec<_>>());
-        assert_eq!(page[0].2, r#"{"n":52}"#);
+        assert_eq!(page[0].2.get(), r#"{"n":52}"#);
         // As many rows as were read, no more: the history is not all here.
         assert!(recent.lookup(&read("u", i64::MAX, 22)).is_none());
 

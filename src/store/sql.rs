@@ -22,10 +22,10 @@ use sqlx::{
 use super::batch::{run_with, Append, Batcher, Limits, PageBack, Server};
 use super::recent::{Mark, RecentPages};
 use super::{
-    appended, assemble_page, db_count, forward_rows, latest_version, removes_too_many, row_count,
-    saved, users_page, ConnectOptions, KeyRecord, MessageRecord, Page, PageCut, PageRow,
-    PoolStatus, RetentionReport, SeenKey, Store, StoreError, StreamSlots, TranscriptStream,
-    UserRecord, UserRows,
+    appended, assemble_page, db_count, forward_rows, latest_version, page_row, removes_too_many,
+    row_count, saved, users_page, ConnectOptions, KeyRecord, MessageRecord, Page, PageCut,
+    PoolStatus, RetentionReport, SeenKey, Store, StoreError, StoredRow, StreamSlots,
+    TranscriptStream, UserRecord, UserRows,
 };
 use crate::domain::{
     extends_saved, transcript_digest, AppendOutcome, HistoryPage, HistoryQuery, Idempotency,
@@ -719,7 +719,7 @@ where
     /// than its budget (and one message).
     async fn read_page<'q>(
         &self,
-        query: QueryAs<'q, DB, PageRow, DB::Arguments<'q>>,
+        query: QueryAs<'q, DB, StoredRow, DB::Arguments<'q>>,
         conn: &mut DB::Connection,
     ) -> Result<Page, StoreError> {
         use futures_util::TryStreamExt;
@@ -731,7 +731,7 @@ where
         let mut rows = query.fetch(conn);
         let mut cut = PageCut::new(self.page_bytes);
         while let Some(row) = rows.try_next().await? {
-            if !cut.offer(row) {
+            if !cut.offer(page_row(row)?) {
                 break;
             }
         }
@@ -1337,7 +1337,7 @@ where
                 page
             }
         };
-        assemble_page(page, query)
+        Ok(assemble_page(page, query))
     }
 
     async fn message(
