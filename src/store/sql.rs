@@ -411,6 +411,9 @@ where
             Limits {
                 items: commit_batch.max(1),
                 weight: COMMIT_MESSAGES,
+                // One commit in flight. A second (measured on Postgres, 2
+                // cores, 64 appends in flight) made the batches smaller,
+                // cost Postgres 30–45 % more CPU per append, served fewer.
                 lanes: 1,
             },
         );
