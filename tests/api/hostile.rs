@@ -15,7 +15,7 @@ use axum::routing::get;
 use axum::Router;
 use chat_history::auth::Access;
 use chat_history::domain::{HistoryPage, HistoryQuery, NewMessage, Tenant, Timestamp, UserId};
-use chat_history::server::launch;
+use chat_history::server::{launch, MAX_BUFFER_BYTES};
 use chat_history::store::ConnectOptions;
 use chat_history::{AppState, Limits};
 use http_body_util::BodyExt;
@@ -183,6 +183,45 @@ async fn a_half_sent_head_and_an_idle_connection_are_closed_after_the_header_tim
         idle < 5.0,
         "an idle keep-alive connection stayed open {idle:.1} s"
     );
+}
+
+/// Sends a `GET /healthz` to `address` whose head carries one header of
+/// `bytes` bytes, and reads the answer.
+fn healthz_with_header_of(address: SocketAddr, bytes: usize) -> String {
+    let mut stream = TcpStream::connect(address).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let head = format!(
+        "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Padding: {}\r\n\r\n",
+        "a".repeat(bytes)
+    );
+    // The server may close before it has taken all of an oversized head.
+    let _ = stream.write_all(head.as_bytes());
+    response(&mut stream)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_over_the_buffer_gets_431_and_the_connection_is_closed() {
+    let served = Served::start(Limits::default()).await;
+    let address = served.address;
+    let (fits, over) = tokio::task::spawn_blocking(move || {
+        (
+            healthz_with_header_of(address, 16 * 1024),
+            healthz_with_header_of(address, 4 * MAX_BUFFER_BYTES),
+        )
+    })
+    .await
+    .unwrap();
+    assert!(fits.starts_with("HTTP/1.1 200"), "a 16 KiB head: {fits}");
+    assert!(
+        over.starts_with("HTTP/1.1 431"),
+        "a head of {} bytes: {}",
+        4 * MAX_BUFFER_BYTES,
+        over.lines().next().unwrap_or("no answer")
+    );
+    let after = get_status(&served, "/healthz").await;
+    assert!(after.starts_with("HTTP/1.1 200"), "then: {after}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

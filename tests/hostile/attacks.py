@@ -786,6 +786,53 @@ def attack_slow_readers_rss(run):
     return Result(figure, ok)
 
 
+BIG_HEADS = 900  # under a default limit of 1,024 open files, both sides
+
+
+def attack_big_heads_rss(run):
+    """Callers that each send most of a large request head and then stop
+    must not hold what they sent in the server's memory until the header
+    timeout: past hyper's buffer (32 KiB, not its default of about 400 KiB)
+    a head is answered 431 and the connection closed."""
+    srv = run.server()
+    head = b"GET /v1/users HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 390_000
+    socks = []
+    answers = {}
+    try:
+        with RssPeak(srv) as rss:
+            for _ in range(BIG_HEADS):
+                s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+                s.setblocking(False)
+                try:
+                    s.send(head)
+                except OSError:  # closed already, or its buffer full
+                    pass
+                socks.append(s)
+            time.sleep(3)
+            during = http_request(srv.port, "GET", "/healthz", timeout=10)[0]
+        pending = set(socks)
+        deadline = time.monotonic() + 5
+        while pending and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(pending), [], [], 0.5)
+            for s in ready:
+                try:
+                    first = s.recv(64).split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+                except OSError as e:
+                    first = type(e).__name__
+                answers[first] = answers.get(first, 0) + 1
+                pending.discard(s)
+        if pending:
+            answers["no answer, still open"] = len(pending)
+    finally:
+        for s in socks:
+            s.close()
+    figure = (f"{BIG_HEADS} callers each sent {len(head) // 1000} KB of a head and stopped: "
+              f"peak RSS +{rss.growth_mb:.0f} MB; "
+              + ", ".join(f"{v}x {k}" for k, v in sorted(answers.items()))
+              + f"; /healthz meanwhile {during}")
+    return Result(figure, rss.growth_mb < 100 and during == 200)
+
+
 def wait_start_or_exit(server, timeout):
     """'ready', or 'exit N' if the process ended first, or 'hung'."""
     try:
@@ -952,6 +999,7 @@ ATTACKS = {
     "transcript-put-cap": (attack_transcript_put_cap, True, 240),
     "number-bodies-rss": (attack_number_bodies_rss, True, 180),
     "slow-readers-rss": (attack_slow_readers_rss, True, 120),
+    "big-heads-rss": (attack_big_heads_rss, False, 60),
     "kubernetes-env": (attack_kubernetes_env, False, 40),
     "non-utf8-env": (attack_non_utf8_env, False, 60),
     "huge-cap": (attack_huge_cap, False, 40),
