@@ -185,13 +185,9 @@ async fn a_half_sent_head_and_an_idle_connection_are_closed_after_the_header_tim
     );
 }
 
-/// Sends a `GET /healthz` to `address` whose head carries one header of
+/// Sends a `GET /healthz` on `stream` whose head carries one header of
 /// `bytes` bytes, and reads the answer.
-fn healthz_with_header_of(address: SocketAddr, bytes: usize) -> String {
-    let mut stream = TcpStream::connect(address).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(15)))
-        .unwrap();
+fn healthz_with_header_of(mut stream: TcpStream, bytes: usize) -> String {
     let head = format!(
         "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Padding: {}\r\n\r\n",
         "a".repeat(bytes)
@@ -204,11 +200,11 @@ fn healthz_with_header_of(address: SocketAddr, bytes: usize) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_head_over_the_buffer_gets_431_and_the_connection_is_closed() {
     let served = Served::start(Limits::default()).await;
-    let address = served.address;
+    let (fits, over) = (served.connect(), served.connect());
     let (fits, over) = tokio::task::spawn_blocking(move || {
         (
-            healthz_with_header_of(address, 16 * 1024),
-            healthz_with_header_of(address, 4 * MAX_BUFFER_BYTES),
+            healthz_with_header_of(fits, 16 * 1024),
+            healthz_with_header_of(over, 4 * MAX_BUFFER_BYTES),
         )
     })
     .await

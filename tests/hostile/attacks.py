@@ -716,6 +716,26 @@ def attack_number_bodies_rss(run):
 SLOW_READERS = 300
 
 
+def read_until_closed(socks, seconds):
+    """Reads each of `socks` until the server closes (or resets) it, for at
+    most `seconds` in all: what each received, and the set still open."""
+    got = {s: b"" for s in socks}
+    open_ = set(socks)
+    deadline = time.monotonic() + seconds
+    while open_ and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(open_), [], [], 0.5)
+        for s in ready:
+            try:
+                chunk = s.recv(1 << 20)
+            except OSError:
+                chunk = b""
+            if chunk:
+                got[s] += chunk
+            else:
+                open_.discard(s)
+    return got, open_
+
+
 def attack_slow_readers_rss(run):
     """Callers that ask for a 4 MiB page and then read nothing of it must
     not pin their pages in memory: an answer over 64 KiB holds bytes of the
@@ -749,20 +769,7 @@ def attack_slow_readers_rss(run):
         # Past the timeout every stuck reader must have been disconnected.
         time.sleep(timeout + 2)
         after_status, _, after_body = http_request(srv.port, "GET", wide, timeout=30)
-        got = {s: b"" for s in readers}
-        open_ = set(readers)
-        deadline = time.monotonic() + 10
-        while open_ and time.monotonic() < deadline:
-            ready, _, _ = select.select(list(open_), [], [], 0.5)
-            for s in ready:
-                try:
-                    chunk = s.recv(1 << 20)
-                except OSError:
-                    chunk = b""
-                if chunk:
-                    got[s] += chunk
-                else:
-                    open_.discard(s)
+        got, open_ = read_until_closed(readers, 10)
     finally:
         for s in readers:
             s.close()
@@ -810,19 +817,13 @@ def attack_big_heads_rss(run):
                 socks.append(s)
             time.sleep(3)
             during = http_request(srv.port, "GET", "/healthz", timeout=10)[0]
-        pending = set(socks)
-        deadline = time.monotonic() + 5
-        while pending and time.monotonic() < deadline:
-            ready, _, _ = select.select(list(pending), [], [], 0.5)
-            for s in ready:
-                try:
-                    first = s.recv(64).split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
-                except OSError as e:
-                    first = type(e).__name__
-                answers[first] = answers.get(first, 0) + 1
-                pending.discard(s)
-        if pending:
-            answers["no answer, still open"] = len(pending)
+        got, pending = read_until_closed(socks, 5)
+        for s, data in got.items():
+            if s in pending:
+                first = "no answer, still open"
+            else:
+                first = data.split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+            answers[first] = answers.get(first, 0) + 1
     finally:
         for s in socks:
             s.close()
