@@ -29,6 +29,7 @@ on_both_backends!(
     queued_appends_share_a_commit_and_are_answered_as_if_alone,
     queued_reads_each_get_their_own_page,
     a_poisoned_append_fails_alone,
+    a_row_in_the_way_fails_its_user_alone_and_leaves_no_part_of_a_batch,
     kill_9_during_coalesced_load_loses_no_acknowledged_message,
 );
 
@@ -476,6 +477,115 @@ async fn a_poisoned_append_fails_alone(backend: Backend) {
         stored, 19,
         "every append but the poisoned one is stored, once"
     );
+}
+
+/// A row already at the `seq` that a user's next append takes (put there
+/// by the test, behind the store's back) makes the shared insert fail on
+/// its key partway through: on SQLite an `INSERT OR FAIL`, which keeps the
+/// rows it inserted before the failure until its transaction is rolled
+/// back. Nothing of the failed batch may stay: served again one by one,
+/// every other user's appends are stored once, with the `seq`s they would
+/// have had alone, and the writer goes on serving.
+async fn a_row_in_the_way_fails_its_user_alone_and_leaves_no_part_of_a_batch(backend: Backend) {
+    let _splits = SPLITS.lock().await;
+    let split_before = splits("commit");
+    let db = TestDb::new(backend).await;
+    let store = db.store().await;
+    let tenant = Tenant::default_tenant();
+    let in_the_way = "INSERT INTO chat_messages (tenant, user_id, seq, created_at, message, digest)
+         VALUES ($1, 'p2', 1, $2, '{\"role\":\"user\",\"content\":\"in the way\"}', $3)";
+    let count = "SELECT user_id, count(*), count(DISTINCT seq), max(seq) FROM chat_messages
+         WHERE user_id LIKE 'p%' GROUP BY user_id ORDER BY user_id";
+    let rows: Vec<(String, i64, i64, i64)> = match backend {
+        Backend::Postgres => {
+            let mut conn = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
+            sqlx::query(in_the_way)
+                .bind(tenant.as_str())
+                .bind(Timestamp::now())
+                .bind(vec![0u8; 16])
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            let asks = two_each();
+            check_in_the_way(behind_a_held_commit(&db, store.clone(), asks).await);
+            sqlx::query_as(count).fetch_all(&mut conn).await.unwrap()
+        }
+        Backend::Sqlite => {
+            let mut conn = sqlx::SqliteConnection::connect(&db.direct_url)
+                .await
+                .unwrap();
+            sqlx::query(in_the_way)
+                .bind(tenant.as_str())
+                .bind(Timestamp::now())
+                .bind(vec![0u8; 16])
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            drop(conn);
+            let asks = two_each();
+            check_in_the_way(behind_a_held_commit(&db, store.clone(), asks).await);
+            let mut conn = sqlx::SqliteConnection::connect(&db.direct_url)
+                .await
+                .unwrap();
+            sqlx::query_as(count).fetch_all(&mut conn).await.unwrap()
+        }
+    };
+    // Four appends of two messages to each user but p2, whose one row is
+    // the test's.
+    let expected: Vec<(String, i64, i64, i64)> = ["p0", "p1", "p2", "p3", "p4"]
+        .iter()
+        .map(|&user| match user {
+            "p2" => (user.to_owned(), 1, 1, 1),
+            _ => (user.to_owned(), 8, 8, 8),
+        })
+        .collect();
+    assert_eq!(rows, expected, "(user, rows, distinct seqs, last seq)");
+    assert!(
+        splits("commit") > split_before,
+        "the appends shared a commit, which failed and was served one by one"
+    );
+    let AppendOutcome::Stored(after) = append(&*store, "p0", &[text("after")], None, None).await
+    else {
+        panic!("an append after the failed batch is stored");
+    };
+    assert_eq!(after.messages[0].seq, 9, "p0 goes on after its eight");
+}
+
+/// Twenty appends of two messages each, to users p0 to p4 in turn.
+fn two_each() -> Vec<Asked> {
+    (0..20)
+        .map(|i| Asked {
+            user: format!("p{}", i % 5),
+            contents: vec![format!("a-{i}"), format!("b-{i}")],
+            cap: None,
+            key: None,
+        })
+        .collect()
+}
+
+/// p2's appends fail (its first `seq` is taken); every other is stored with
+/// `seq`s as if alone: two consecutive ones each, a user's four appends
+/// together taking 1 to 8.
+fn check_in_the_way(answered: Vec<(Asked, Result<AppendOutcome, String>)>) {
+    let mut seqs: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (ask, outcome) in &answered {
+        if ask.user == "p2" {
+            assert!(outcome.is_err(), "{}: {:?}", ask.contents[0], outcome);
+            continue;
+        }
+        let Ok(AppendOutcome::Stored(stored)) = outcome else {
+            panic!("{}: {:?}", ask.contents[0], outcome);
+        };
+        assert_eq!(contents(stored), ask.contents);
+        let mine: Vec<i64> = stored.messages.iter().map(|m| m.seq).collect();
+        assert_eq!(mine.len(), 2, "{}", ask.contents[0]);
+        assert_eq!(mine[1], mine[0] + 1, "{}: {mine:?}", ask.contents[0]);
+        seqs.entry(ask.user.clone()).or_default().extend(mine);
+    }
+    for (user, mut all) in seqs {
+        all.sort_unstable();
+        assert_eq!(all, (1..=8).collect::<Vec<i64>>(), "{user}");
+    }
 }
 
 /// Postgres only: the connection of a shared commit is cut while the
