@@ -496,24 +496,10 @@ async fn a_row_in_the_way_fails_its_user_alone_and_leaves_no_part_of_a_batch(bac
          VALUES ($1, 'p2', 1, $2, '{\"role\":\"user\",\"content\":\"in the way\"}', $3)";
     let count = "SELECT user_id, count(*), count(DISTINCT seq), max(seq) FROM chat_messages
          WHERE user_id LIKE 'p%' GROUP BY user_id ORDER BY user_id";
-    let rows: Vec<(String, i64, i64, i64)> = match backend {
-        Backend::Postgres => {
-            let mut conn = sqlx::PgConnection::connect(&db.direct_url).await.unwrap();
-            sqlx::query(in_the_way)
-                .bind(tenant.as_str())
-                .bind(Timestamp::now())
-                .bind(vec![0u8; 16])
-                .execute(&mut conn)
-                .await
-                .unwrap();
-            let asks = two_each();
-            check_in_the_way(behind_a_held_commit(&db, store.clone(), asks).await);
-            sqlx::query_as(count).fetch_all(&mut conn).await.unwrap()
-        }
-        Backend::Sqlite => {
-            let mut conn = sqlx::SqliteConnection::connect(&db.direct_url)
-                .await
-                .unwrap();
+    // The same steps on either backend's own connection type.
+    macro_rules! planted_then_counted {
+        ($conn:ty) => {{
+            let mut conn = <$conn>::connect(&db.direct_url).await.unwrap();
             sqlx::query(in_the_way)
                 .bind(tenant.as_str())
                 .bind(Timestamp::now())
@@ -522,13 +508,14 @@ async fn a_row_in_the_way_fails_its_user_alone_and_leaves_no_part_of_a_batch(bac
                 .await
                 .unwrap();
             drop(conn);
-            let asks = two_each();
-            check_in_the_way(behind_a_held_commit(&db, store.clone(), asks).await);
-            let mut conn = sqlx::SqliteConnection::connect(&db.direct_url)
-                .await
-                .unwrap();
+            check_in_the_way(behind_a_held_commit(&db, store.clone(), two_each()).await);
+            let mut conn = <$conn>::connect(&db.direct_url).await.unwrap();
             sqlx::query_as(count).fetch_all(&mut conn).await.unwrap()
-        }
+        }};
+    }
+    let rows: Vec<(String, i64, i64, i64)> = match backend {
+        Backend::Postgres => planted_then_counted!(sqlx::PgConnection),
+        Backend::Sqlite => planted_then_counted!(sqlx::SqliteConnection),
     };
     // Four appends of two messages to each user but p2, whose one row is
     // the test's.
