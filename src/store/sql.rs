@@ -68,7 +68,9 @@ pub trait Dialect: Database + HasStatementCache {
     /// older than `$2`, returning their ids.
     const EXPIRED_USERS: &'static str;
     /// Deletes up to `$4` messages older than `$3` of the users `$2`
-    /// (`Names`), returning the user of each.
+    /// (`Names`), returning the user of each. They are each user's oldest
+    /// (`created_at` follows `seq`): a walk from the first message by the
+    /// primary key, one seek each, that stops at the first newer one.
     const DELETE_EXPIRED: &'static str;
     /// Takes the messages of the user list `$2` (one entry per message, as
     /// `DELETE_EXPIRED` returned) off their counts.
@@ -1323,12 +1325,17 @@ where
             }
             Some(after) => {
                 let mut session = self.reader().await?;
-                let not_before = query.not_before.unwrap_or(Timestamp::from_micros(0));
-                let window_start: Option<i64> = self
-                    .user_scalar(WINDOW_START, tenant, user.as_str())
-                    .bind(not_before)
-                    .fetch_optional(session.conn())
-                    .await?;
+                let window_start: Option<i64> = match query.not_before {
+                    Some(not_before) => {
+                        self.user_scalar(WINDOW_START, tenant, user.as_str())
+                            .bind(not_before)
+                            // Within reach of no seq, and far from overflowing.
+                            .bind(after.min(i64::MAX / 4))
+                            .fetch_optional(session.conn())
+                            .await?
+                    }
+                    None => Some(after.saturating_add(1)),
+                };
                 let page = match window_start {
                     None => Page::default(),
                     Some(start) => {
@@ -1751,13 +1758,82 @@ WHERE tenant = $1 AND user_id = $2 AND seq < $3
 ORDER BY seq DESC LIMIT $4
 "#;
 
-/// Where the age window of a user starts: the smallest `seq` whose
-/// `created_at` is `$3` or later, found through `chat_messages_age`.
-const WINDOW_START: &str = r#"
-SELECT seq FROM chat_messages
-WHERE tenant = $1 AND user_id = $2 AND created_at >= $3
-ORDER BY created_at, seq LIMIT 1
-"#;
+/// The first message of the user `user` (SQL: `$2`, a column) whose
+/// `seq` is in `seqs` (SQL), as one value: `seq * 2 + 1` when its
+/// `created_at` is `$3` or later, `seq * 2` when it is older; NULL when
+/// there is none. One value, so that a step of a search or a walk over a
+/// user's messages costs one index seek. As `created_at` follows `seq`,
+/// the older ones come first.
+macro_rules! probe {
+    (user: $user:expr, seqs: $seqs:expr) => {
+        concat!(
+            "(SELECT seq * 2 + CASE WHEN created_at >= $3 THEN 1 ELSE 0 END FROM chat_messages\n",
+            "        WHERE tenant = $1 AND user_id = ",
+            $user,
+            " AND ",
+            $seqs,
+            "\n        ORDER BY seq LIMIT 1)"
+        )
+    };
+}
+pub(super) use probe;
+
+/// `lo` and `hi` after a step of `WINDOW_START` that probed `p`.
+macro_rules! next_lo {
+    () => {
+        "CASE WHEN p % 2 = 0 THEN p / 2 + 1 ELSE lo END"
+    };
+}
+macro_rules! next_hi {
+    () => {
+        "CASE WHEN p % 2 = 0 THEN hi ELSE (lo + hi) / 2 END"
+    };
+}
+
+/// Where a forward page of a user's age window starts: the first `seq`
+/// after `$4` from which every message's `created_at` is `$3` or later.
+/// As `created_at` follows `seq`, the messages in the window are the
+/// newest, so a binary search over `seq` by the primary key finds where
+/// they start, in at most one step per bit of the user's `last_seq` (an
+/// index on `created_at` would cost every append one more B-tree to
+/// write). Each step keeps `lo`..`hi` so that the messages below `lo` are
+/// older and those from `hi` on are not, and `p`, the probe of the first
+/// message from their midpoint: one in the window moves `hi` down to the
+/// midpoint (no message lies between them), an older one moves `lo` past
+/// it, and none at all moves `hi` down too. No row: no such user.
+const WINDOW_START: &str = concat!(
+    r#"
+WITH RECURSIVE search(lo, hi, p) AS (
+    SELECT lo, hi, "#,
+    probe!(user: "$2", seqs: "seq >= (lo + hi) / 2 AND seq < hi"),
+    r#"
+    FROM (SELECT $4 + 1 AS lo, last_seq + 1 AS hi FROM chat_users
+          WHERE tenant = $1 AND user_id = $2) first
+    UNION ALL
+    SELECT "#,
+    next_lo!(),
+    ",
+        ",
+    next_hi!(),
+    ",
+        ",
+    probe!(
+        user: "$2",
+        seqs: concat!(
+            "seq >= (",
+            next_lo!(),
+            " + ",
+            next_hi!(),
+            ") / 2 AND seq < ",
+            next_hi!()
+        )
+    ),
+    r#"
+    FROM search WHERE lo < hi
+)
+SELECT CASE WHEN lo > hi THEN lo ELSE hi END FROM search WHERE lo >= hi
+"#
+);
 
 /// Oldest first after `$3`, below `$4`. The window start is found first
 /// (`WINDOW_START`): SQLite does not turn a subquery bound into an index range.

@@ -22,6 +22,7 @@ on_both_backends!(
     bad_keys_are_400,
     concurrent_duplicates_store_once,
     purge_expired_deletes_only_what_is_older,
+    purge_walks_past_gaps_and_stops_at_the_window,
     purge_runs_in_bounded_batches_across_many_users,
     admin_bodies_are_checked,
     clear_all_deletes_everything_and_keeps_seq_moving,
@@ -216,6 +217,35 @@ async fn purge_expired_deletes_only_what_is_older(backend: Backend) {
     );
     let users = app.get("/v1/users").await;
     assert_eq!(users.body["users"].as_array().unwrap().len(), 2);
+}
+
+/// Retention walks each user's messages from the oldest by `seq` (no index
+/// on `created_at`): gaps left by deleted messages do not stop it, and it
+/// stops at the first message that is not expired.
+async fn purge_walks_past_gaps_and_stops_at_the_window(backend: Backend) {
+    let app = TestApp::new(backend).await;
+    let now = Timestamp::now();
+    let old: Vec<String> = (0..6).map(|i| format!("old {i}")).collect();
+    let old: Vec<&str> = old.iter().map(String::as_str).collect();
+    store_append(&app, "u", &old[..3], now.minus_seconds(9000)).await; // 1..=3
+    store_append(&app, "u", &old[3..], now.minus_seconds(7200)).await; // 4..=6
+    store_append(&app, "u", &["recent", "newer"], now.minus_seconds(60)).await; // 7, 8
+    for gone in [1, 3, 4, 7] {
+        let reply = app.delete(&format!("/v1/users/u/messages/{gone}")).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    }
+    let reply = app
+        .post_json("/v1/admin/purge-expired", &json!({"max_age": 3600}))
+        .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(
+        reply.body,
+        json!({"deleted": 3}),
+        "seqs 2, 5 and 6 were left of the old"
+    );
+    let u = app.get("/v1/users/u").await;
+    assert_eq!(u.body["message_count"], 1);
+    assert_eq!(u.body["first_seq"], 8);
 }
 
 async fn purge_runs_in_bounded_batches_across_many_users(backend: Backend) {

@@ -15,6 +15,7 @@ on_both_backends!(
     newest_window_is_returned_oldest_first,
     age_filter_applies_before_the_limit,
     forward_paging_starts_inside_the_window,
+    forward_paging_finds_every_window_start_across_gaps,
     before_and_after_bound_the_page,
     seq_and_version_never_repeat_after_a_clear,
     deleting_one_message_updates_the_stats,
@@ -287,6 +288,79 @@ async fn forward_paging_starts_inside_the_window(backend: Backend) {
         .await
         .unwrap();
     assert_eq!(seqs(&page), [1, 2, 3]);
+}
+
+/// Where a forward page starts is searched for by `seq` (no index on
+/// `created_at`): against every age cutoff and every `after`, with gaps in
+/// the seqs, the page holds exactly the messages a scan would pick.
+async fn forward_paging_finds_every_window_start_across_gaps(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = db.store().await;
+    let hour = 3_600_000_000;
+    let mut stored: Vec<(i64, i64)> = Vec::new(); // (seq, created_at)
+    for (group, n) in [3, 1, 4, 1, 5, 2, 6, 1, 3].into_iter().enumerate() {
+        let at = T0 + group as i64 * hour;
+        for seq in append_at(&*store, "u", n, at).await {
+            stored.push((seq, at));
+        }
+    }
+    // Gaps: a whole group (seq 4), the group's first and last, a run.
+    for gone in [4, 5, 8, 14, 15, 16, 26] {
+        assert!(store
+            .delete_message(&tenant(), &user("u"), gone)
+            .await
+            .unwrap());
+        stored.retain(|&(seq, _)| seq != gone);
+    }
+    let last = stored.last().unwrap().0;
+    let mut cutoffs: Vec<i64> = (0..10).map(|g| T0 + g * hour).collect();
+    cutoffs.extend([T0 - 1, T0 + 1, T0 + 3 * hour + 1, T0 + 8 * hour + 1]);
+    for cutoff in cutoffs {
+        for after in 0..=last + 1 {
+            let query = HistoryQuery {
+                limit: 1000,
+                not_before: Some(Timestamp::from_micros(cutoff)),
+                before: None,
+                after: Some(after),
+            };
+            let page = store
+                .history_window(&tenant(), &user("u"), query)
+                .await
+                .unwrap();
+            let expected: Vec<i64> = stored
+                .iter()
+                .filter(|&&(seq, at)| seq > after && at >= cutoff)
+                .map(|&(seq, _)| seq)
+                .collect();
+            assert_eq!(
+                seqs(&page),
+                expected,
+                "after={after}, cutoff=T0+{}",
+                cutoff - T0
+            );
+            assert!(!page.has_more);
+        }
+    }
+    let far = HistoryQuery {
+        limit: 10,
+        not_before: Some(Timestamp::from_micros(T0)),
+        before: None,
+        after: Some(i64::MAX),
+    };
+    let page = store
+        .history_window(&tenant(), &user("u"), far)
+        .await
+        .unwrap();
+    assert!(page.messages.is_empty() && !page.has_more);
+    let nobody = HistoryQuery {
+        after: Some(0),
+        ..far
+    };
+    let page = store
+        .history_window(&tenant(), &user("nobody"), nobody)
+        .await
+        .unwrap();
+    assert!(page.messages.is_empty() && !page.has_more);
 }
 
 async fn before_and_after_bound_the_page(backend: Backend) {
