@@ -1800,7 +1800,8 @@ macro_rules! next_hi {
 /// older and those from `hi` on are not, and `p`, the probe of the first
 /// message from their midpoint: one in the window moves `hi` down to the
 /// midpoint (no message lies between them), an older one moves `lo` past
-/// it, and none at all moves `hi` down too. No row: no such user.
+/// it, and none at all moves `hi` down too. No row: no message after `$4`
+/// is in the window (or no such user), and there is no page to read.
 const WINDOW_START: &str = concat!(
     r#"
 WITH RECURSIVE search(lo, hi, p) AS (
@@ -1831,7 +1832,9 @@ WITH RECURSIVE search(lo, hi, p) AS (
     r#"
     FROM search WHERE lo < hi
 )
-SELECT CASE WHEN lo > hi THEN lo ELSE hi END FROM search WHERE lo >= hi
+SELECT start FROM (SELECT CASE WHEN lo > hi THEN lo ELSE hi END AS start
+                   FROM search WHERE lo >= hi) found
+WHERE start <= (SELECT last_seq FROM chat_users WHERE tenant = $1 AND user_id = $2)
 "#
 );
 
