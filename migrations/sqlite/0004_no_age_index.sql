@@ -1,5 +1,6 @@
--- chat_messages_age (0001) cost every append a third B-tree to write. As
--- `created_at` follows `seq` within a user, the primary key finds where an
+-- chat_messages_age (0001) cost every append one more B-tree to write. As
+-- `created_at` never goes back within a user, the primary key finds where an
 -- age window starts (a binary search over `seq`) and what retention removes
--- (a walk from the oldest message), so the index goes.
+-- (the first rows of each user's range), so the index goes. Replicas still
+-- on the build before keep working without it, only slower at those two.
 DROP INDEX IF EXISTS chat_messages_age;

@@ -24,7 +24,7 @@ use sqlx::{Connection, Decode, Encode, Executor, FromRow, PgConnection, Pool, Po
 use super::batch::{Append, PageBack};
 use super::fold::{slot_number, Final, Fold};
 use super::recent::{Mark, RecentPages};
-use super::sql::{probe, CheckedPage, Counters, Dialect, SqlStore, BATCH_PAGE_BUDGETS};
+use super::sql::{CheckedPage, Counters, Dialect, SqlStore, BATCH_PAGE_BUDGETS};
 use super::{
     body, db_count, pool_options, ConnectOptions, DatabaseUrl, MessageRecord, Page, PageRow,
     PoolMode, StoreError,
@@ -101,25 +101,14 @@ WHERE tenant = $1 AND user_id IN (
 ORDER BY user_id
 FOR UPDATE
 "#;
-    const DELETE_EXPIRED: &'static str = concat!(
-        r#"
+    const DELETE_EXPIRED: &'static str = r#"
 DELETE FROM chat_messages m USING (
-    WITH RECURSIVE walk(user_id, p) AS (
-        SELECT user_id, "#,
-        probe!(user: "b.user_id", seqs: "seq >= 0"),
-        r#"
-        FROM unnest($2::text[]) AS b(user_id)
-        UNION ALL
-        SELECT user_id, "#,
-        probe!(user: "w.user_id", seqs: "seq > w.p / 2"),
-        r#"
-        FROM walk w WHERE p % 2 = 0
-    )
-    SELECT user_id, p / 2 AS seq FROM walk WHERE p % 2 = 0 LIMIT $4) v
+    SELECT user_id, seq FROM chat_messages
+    WHERE tenant = $1 AND user_id = ANY($2) AND created_at < $3
+    LIMIT $4) v
 WHERE m.tenant = $1 AND m.user_id = v.user_id AND m.seq = v.seq
 RETURNING m.user_id
-"#
-    );
+"#;
     const SUBTRACT_DELETED: &'static str = r#"
 UPDATE chat_users u SET message_count = u.message_count - g.n, version = u.version + 1,
     transcript_digest = NULL

@@ -69,8 +69,11 @@ pub trait Dialect: Database + HasStatementCache {
     const EXPIRED_USERS: &'static str;
     /// Deletes up to `$4` messages older than `$3` of the users `$2`
     /// (`Names`), returning the user of each. They are each user's oldest
-    /// (`created_at` follows `seq`): a walk from the first message by the
-    /// primary key, one seek each, that stops at the first newer one.
+    /// (`created_at` follows `seq`), the first of its primary-key range: a
+    /// scan of it finds them at once. A user whose few expired messages
+    /// lie ahead of many live ones has those read too, by the one batch
+    /// that removes the expired ones (after it, `oldest_at` no longer
+    /// lists the user).
     const DELETE_EXPIRED: &'static str;
     /// Takes the messages of the user list `$2` (one entry per message, as
     /// `DELETE_EXPIRED` returned) off their counts.
@@ -1758,25 +1761,21 @@ WHERE tenant = $1 AND user_id = $2 AND seq < $3
 ORDER BY seq DESC LIMIT $4
 "#;
 
-/// The first message of the user `user` (SQL: `$2`, a column) whose
-/// `seq` is in `seqs` (SQL), as one value: `seq * 2 + 1` when its
+/// The first message of the user `$1`/`$2` whose `seq` is in `seqs` (SQL),
+/// as one value: `seq * 2 + 1` when its
 /// `created_at` is `$3` or later, `seq * 2` when it is older; NULL when
-/// there is none. One value, so that a step of a search or a walk over a
-/// user's messages costs one index seek. As `created_at` follows `seq`,
-/// the older ones come first.
+/// there is none. One value, so that a step of `WINDOW_START` costs one
+/// index seek.
 macro_rules! probe {
-    (user: $user:expr, seqs: $seqs:expr) => {
+    (seqs: $seqs:expr) => {
         concat!(
             "(SELECT seq * 2 + CASE WHEN created_at >= $3 THEN 1 ELSE 0 END FROM chat_messages\n",
-            "        WHERE tenant = $1 AND user_id = ",
-            $user,
-            " AND ",
+            "        WHERE tenant = $1 AND user_id = $2 AND ",
             $seqs,
             "\n        ORDER BY seq LIMIT 1)"
         )
     };
 }
-pub(super) use probe;
 
 /// `lo` and `hi` after a step of `WINDOW_START` that probed `p`.
 macro_rules! next_lo {
@@ -1806,7 +1805,7 @@ const WINDOW_START: &str = concat!(
     r#"
 WITH RECURSIVE search(lo, hi, p) AS (
     SELECT lo, hi, "#,
-    probe!(user: "$2", seqs: "seq >= (lo + hi) / 2 AND seq < hi"),
+    probe!(seqs: "seq >= (lo + hi) / 2 AND seq < hi"),
     r#"
     FROM (SELECT $4 + 1 AS lo, last_seq + 1 AS hi FROM chat_users
           WHERE tenant = $1 AND user_id = $2) first
@@ -1819,7 +1818,6 @@ WITH RECURSIVE search(lo, hi, p) AS (
     ",
         ",
     probe!(
-        user: "$2",
         seqs: concat!(
             "seq >= (",
             next_lo!(),

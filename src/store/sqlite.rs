@@ -23,7 +23,7 @@ use sqlx::{Decode, Encode, Pool, Sqlite, Type};
 use super::batch::{Append, PageBack};
 use super::fold::{Final, Fold};
 use super::recent::Mark;
-use super::sql::{probe, CheckedPage, Counters, Dialect, SqlStore};
+use super::sql::{CheckedPage, Counters, Dialect, SqlStore};
 use super::{db_count, pool_options, ConnectOptions, MessageRecord, StoreError};
 use crate::domain::{NewMessage, Tenant, Timestamp, UserId};
 
@@ -73,27 +73,13 @@ impl Dialect for Sqlite {
         "SELECT version FROM chat_users WHERE tenant = $1 AND user_id = $2";
     const EXPIRED_USERS: &'static str = "SELECT user_id FROM chat_users
         WHERE tenant = $1 AND oldest_at < $2 ORDER BY oldest_at LIMIT $3";
-    const DELETE_EXPIRED: &'static str = concat!(
-        r#"
+    const DELETE_EXPIRED: &'static str = r#"
 DELETE FROM chat_messages WHERE rowid IN (
-    WITH RECURSIVE walk(user_id, p) AS (
-        SELECT value, "#,
-        probe!(user: "value", seqs: "seq >= 0"),
-        r#"
-        FROM json_each($2)
-        UNION ALL
-        SELECT user_id, "#,
-        probe!(user: "walk.user_id", seqs: "seq > walk.p / 2"),
-        r#"
-        FROM walk WHERE p % 2 = 0
-        LIMIT $4 + json_array_length($2)
-    )
-    SELECT m.rowid FROM walk
-    JOIN chat_messages m ON m.tenant = $1 AND m.user_id = walk.user_id AND m.seq = walk.p / 2
-    WHERE walk.p % 2 = 0 LIMIT $4)
+    SELECT rowid FROM chat_messages
+    WHERE tenant = $1 AND user_id IN (SELECT value FROM json_each($2)) AND created_at < $3
+    LIMIT $4)
 RETURNING user_id
-"#
-    );
+"#;
     const SUBTRACT_DELETED: &'static str = r#"
 UPDATE chat_users SET message_count = message_count - g.n, version = version + 1,
     transcript_digest = NULL

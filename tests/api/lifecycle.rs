@@ -22,7 +22,7 @@ on_both_backends!(
     bad_keys_are_400,
     concurrent_duplicates_store_once,
     purge_expired_deletes_only_what_is_older,
-    purge_walks_past_gaps_and_stops_at_the_window,
+    purge_passes_gaps_and_stops_at_the_window,
     purge_runs_in_bounded_batches_across_many_users,
     admin_bodies_are_checked,
     clear_all_deletes_everything_and_keeps_seq_moving,
@@ -219,10 +219,10 @@ async fn purge_expired_deletes_only_what_is_older(backend: Backend) {
     assert_eq!(users.body["users"].as_array().unwrap().len(), 2);
 }
 
-/// Retention walks each user's messages from the oldest by `seq` (no index
-/// on `created_at`): gaps left by deleted messages do not stop it, and it
-/// stops at the first message that is not expired.
-async fn purge_walks_past_gaps_and_stops_at_the_window(backend: Backend) {
+/// Retention finds expired messages by `seq` (no index on `created_at`):
+/// gaps left by deleted messages do not stop it, and nothing from the
+/// first message that is not expired on goes.
+async fn purge_passes_gaps_and_stops_at_the_window(backend: Backend) {
     let app = TestApp::new(backend).await;
     let now = Timestamp::now();
     let old: Vec<String> = (0..6).map(|i| format!("old {i}")).collect();
