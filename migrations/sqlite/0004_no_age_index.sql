@@ -2,5 +2,5 @@
 -- `created_at` never goes back within a user, the primary key finds where an
 -- age window starts (a binary search over `seq`) and what retention removes
 -- (the first rows of each user's range), so the index goes. Replicas still
--- on the build before keep working without it, only slower at those two.
+-- on the build before keep serving without it; their forward pages are slower.
 DROP INDEX IF EXISTS chat_messages_age;

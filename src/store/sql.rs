@@ -69,11 +69,10 @@ pub trait Dialect: Database + HasStatementCache {
     const EXPIRED_USERS: &'static str;
     /// Deletes up to `$4` messages older than `$3` of the users `$2`
     /// (`Names`), returning the user of each. They are each user's oldest
-    /// (`created_at` follows `seq`), the first of its primary-key range: a
-    /// scan of it finds them at once. A user whose few expired messages
-    /// lie ahead of many live ones has those read too, by the one batch
-    /// that removes the expired ones (after it, `oldest_at` no longer
-    /// lists the user).
+    /// (`created_at` follows `seq`), so a scan of its primary-key range
+    /// meets them first. A user whose few expired messages lie ahead of
+    /// many live ones has those read too, by the batch that removes the
+    /// expired ones (after it, `oldest_at` no longer lists the user).
     const DELETE_EXPIRED: &'static str;
     /// Takes the messages of the user list `$2` (one entry per message, as
     /// `DELETE_EXPIRED` returned) off their counts.
@@ -1332,8 +1331,9 @@ where
                     Some(not_before) => {
                         self.user_scalar(WINDOW_START, tenant, user.as_str())
                             .bind(not_before)
-                            // Within reach of no seq, and far from overflowing.
-                            .bind(after.min(i64::MAX / 4))
+                            // Seqs start at 1; far from overflowing either way,
+                            // and never below 0, where `/ 2` rounds up.
+                            .bind(after.clamp(0, i64::MAX / 4))
                             .fetch_optional(session.conn())
                             .await?
                     }

@@ -219,9 +219,9 @@ async fn purge_expired_deletes_only_what_is_older(backend: Backend) {
     assert_eq!(users.body["users"].as_array().unwrap().len(), 2);
 }
 
-/// Retention finds expired messages by `seq` (no index on `created_at`):
-/// gaps left by deleted messages do not stop it, and nothing from the
-/// first message that is not expired on goes.
+/// Retention with no index on `created_at`: gaps left by deleted messages
+/// do not stop it, and nothing from the first message that is not
+/// expired on goes.
 async fn purge_passes_gaps_and_stops_at_the_window(backend: Backend) {
     let app = TestApp::new(backend).await;
     let now = Timestamp::now();

@@ -352,6 +352,21 @@ async fn forward_paging_finds_every_window_start_across_gaps(backend: Backend) {
         .await
         .unwrap();
     assert!(page.messages.is_empty() && !page.has_more);
+    let below_zero = HistoryQuery {
+        limit: 1000,
+        after: Some(-3),
+        ..far
+    };
+    let page = store
+        .history_window(&tenant(), &user("u"), below_zero)
+        .await
+        .unwrap();
+    let all: Vec<i64> = stored.iter().map(|&(seq, _)| seq).collect();
+    assert_eq!(
+        seqs(&page),
+        all,
+        "an `after` below 0 starts at the beginning"
+    );
     let nobody = HistoryQuery {
         after: Some(0),
         ..far
