@@ -1762,10 +1762,9 @@ ORDER BY seq DESC LIMIT $4
 "#;
 
 /// The first message of the user `$1`/`$2` whose `seq` is in `seqs` (SQL),
-/// as one value: `seq * 2 + 1` when its
-/// `created_at` is `$3` or later, `seq * 2` when it is older; NULL when
-/// there is none. One value, so that a step of `WINDOW_START` costs one
-/// index seek.
+/// as one value: `seq * 2 + 1` when its `created_at` is `$3` or later,
+/// `seq * 2` when it is older; NULL when there is none. One value, so that
+/// a step of `WINDOW_START` costs one index seek.
 macro_rules! probe {
     (seqs: $seqs:expr) => {
         concat!(
@@ -1799,8 +1798,10 @@ macro_rules! next_hi {
 /// older and those from `hi` on are not, and `p`, the probe of the first
 /// message from their midpoint: one in the window moves `hi` down to the
 /// midpoint (no message lies between them), an older one moves `lo` past
-/// it, and none at all moves `hi` down too. No row: no message after `$4`
-/// is in the window (or no such user), and there is no page to read.
+/// it, and none at all moves `hi` down too. The window starts at the last
+/// `hi`. No row: no message after `$4` is in the window (`lo` starts past
+/// `hi` when `$4` is past `last_seq`, and `hi` never exceeds `last_seq + 1`)
+/// or no such user, and there is no page to read.
 const WINDOW_START: &str = concat!(
     r#"
 WITH RECURSIVE search(lo, hi, p) AS (
@@ -1830,9 +1831,8 @@ WITH RECURSIVE search(lo, hi, p) AS (
     r#"
     FROM search WHERE lo < hi
 )
-SELECT start FROM (SELECT CASE WHEN lo > hi THEN lo ELSE hi END AS start
-                   FROM search WHERE lo >= hi) found
-WHERE start <= (SELECT last_seq FROM chat_users WHERE tenant = $1 AND user_id = $2)
+SELECT hi FROM search
+WHERE lo >= hi AND hi <= (SELECT last_seq FROM chat_users WHERE tenant = $1 AND user_id = $2)
 "#
 );
 
