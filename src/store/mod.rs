@@ -12,6 +12,7 @@
 mod batch;
 mod fold;
 mod postgres;
+mod readers;
 mod recent;
 mod sql;
 mod sqlite;

@@ -18,8 +18,10 @@ use sqlx::{
     ColumnIndex, Database, Decode, Encode, Executor, FromRow, IntoArguments, Pool, Transaction,
     Type,
 };
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::batch::{run_with, Append, Batcher, Limits, PageBack, Server};
+use super::readers::{Reader, Readers};
 use super::recent::{Mark, RecentPages};
 use super::{
     appended, assemble_page, db_count, forward_rows, latest_version, page_row, removes_too_many,
@@ -204,7 +206,8 @@ struct StatsRow {
 /// on SQLite a pool of read-only connections beside its single writer.
 pub struct SqlStore<DB: Database> {
     pool: Pool<DB>,
-    readers: Option<Pool<DB>>,
+    /// SQLite's read-only connections (Postgres reads from `pool`).
+    readers: Option<Readers<DB>>,
     /// Named, cached statements; false behind a pooler in transaction mode.
     prepared: bool,
     /// Where a history page is cut (`ConnectOptions::page_bytes`).
@@ -272,6 +275,7 @@ impl<DB: Database> Clone for SqlStore<DB> {
 /// execute reach the same server connection.
 enum Session<'c, DB: Database> {
     Pooled(PoolConnection<DB>),
+    Kept(Reader<DB>),
     Held(&'c mut DB::Connection),
     Pinned(Transaction<'c, DB>),
 }
@@ -280,14 +284,17 @@ impl<DB: Database> Session<'_, DB> {
     fn conn(&mut self) -> &mut DB::Connection {
         match self {
             Self::Pooled(conn) => conn,
+            Self::Kept(reader) => reader.conn(),
             Self::Held(conn) => conn,
             Self::Pinned(tx) => tx,
         }
     }
 
     async fn done(self) -> Result<(), StoreError> {
-        if let Self::Pinned(tx) = self {
-            tx.commit().await?;
+        match self {
+            Self::Pinned(tx) => tx.commit().await?,
+            Self::Kept(reader) => reader.keep(),
+            Self::Pooled(_) | Self::Held(_) => {}
         }
         Ok(())
     }
@@ -361,7 +368,7 @@ impl<DB: Database> SqlStore<DB> {
     ) -> Self {
         Self {
             pool,
-            readers,
+            readers: readers.map(Readers::new),
             prepared,
             page_bytes: options.page_bytes,
             streams: StreamSlots::new(options.max_connections),
@@ -400,7 +407,7 @@ where
         // so that the rest of the service always has connections of its own.
         let spare = |pool: &Pool<DB>| pool.options().get_max_connections() >= KEEP_FROM_POOL_SIZE;
         let keep_writer = !DB::SHARED_WRITER && spare(&self.pool);
-        let keep_reader = spare(self.readers.as_ref().unwrap_or(&self.pool));
+        let keep_reader = spare(self.readers.as_ref().map_or(&self.pool, Readers::pool));
         let writer = store.clone();
         let commits = Batcher::start(
             Server {
@@ -436,7 +443,8 @@ where
                     run: run_with(move |lane: &mut Lane<DB>, batch| {
                         let (store, recent) = (store.clone(), kept.clone());
                         Box::pin(async move {
-                            let pool = store.readers.as_ref().unwrap_or(&store.pool);
+                            // Only Postgres reads many pages at once; it has no `readers`.
+                            let pool = &store.pool;
                             let conn = lane.conn(pool).await?;
                             let session = store.session_on(conn).await?;
                             let pages = store.pages_back(session, batch, recent.as_deref()).await;
@@ -759,7 +767,7 @@ where
     /// A connection for reading: SQLite's read-only pool, else a session.
     async fn reader(&self) -> Result<Session<'static, DB>, StoreError> {
         match &self.readers {
-            Some(readers) => Ok(Session::Pooled(readers.acquire().await?)),
+            Some(readers) => Ok(Session::Kept(readers.acquire().await?)),
             None => self.session().await,
         }
     }
@@ -1019,12 +1027,13 @@ where
     }
 
     /// The transcript of `user` from the snapshot of `tx`: the version and
-    /// count now, the rows sent on by a task that holds `slot` and `tx`
-    /// until the reader has them all, goes away, or `until` passes.
+    /// count now, the rows sent on by a task that holds `slot` (and the read
+    /// pool's permit, if any) and `tx` until the reader has them all, goes
+    /// away, or `until` passes.
     async fn stream_transcript(
         &self,
         mut tx: Transaction<'static, DB>,
-        slot: tokio::sync::OwnedSemaphorePermit,
+        slot: (OwnedSemaphorePermit, Option<OwnedSemaphorePermit>),
         tenant: &Tenant,
         user: &UserId,
         until: tokio::time::Instant,
@@ -1140,9 +1149,15 @@ where
         // The deadline covers the wait for a slot and the whole read.
         let until = tokio::time::Instant::now() + deadline;
         let slot = self.streams.take(until).await?;
-        let pool = self.readers.as_ref().unwrap_or(&self.pool);
-        let tx = pool.begin_with(DB::BEGIN_SNAPSHOT).await?;
-        self.stream_transcript(tx, slot, tenant, user, until).await
+        let (tx, permit) = match &self.readers {
+            Some(readers) => {
+                let (tx, permit) = readers.begin_with(DB::BEGIN_SNAPSHOT).await?;
+                (tx, Some(permit))
+            }
+            None => (self.pool.begin_with(DB::BEGIN_SNAPSHOT).await?, None),
+        };
+        self.stream_transcript(tx, (slot, permit), tenant, user, until)
+            .await
     }
 
     async fn save_transcript(
@@ -1597,7 +1612,7 @@ where
     fn pool_status(&self) -> PoolStatus {
         let mut status = PoolStatus::of(&self.pool);
         if let Some(readers) = &self.readers {
-            let readers = PoolStatus::of(readers);
+            let readers = readers.status();
             status.in_use += readers.in_use;
             status.idle += readers.idle;
         }

@@ -32,6 +32,7 @@ on_both_backends!(
     clearing_a_long_history_works_in_batches,
     retention_runs_on_a_pool_of_one_connection,
     slow_transcript_readers_cannot_hold_every_connection,
+    reads_that_keep_their_connections_leave_every_caller_one,
     history_pages_are_cut_at_their_bytes_and_page_on_to_every_message,
     batched_page_reads_are_cut_alike_whatever_else_the_batch_reads,
     a_replica_cuts_pages_at_max_page_bytes,
@@ -788,6 +789,69 @@ async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) 
         read += 1;
     }
     assert_eq!(read, 100);
+}
+
+/// SQLite's reads keep their connections for the next read (see
+/// `store/readers.rs`): with every connection kept, a transcript, a count
+/// and 32 reads on a pool of two each still get one, the pool's figures
+/// count the kept ones idle, and closing gives them back.
+async fn reads_that_keep_their_connections_leave_every_caller_one(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let store = chat_history::store::connect(
+        &chat_history::store::DatabaseUrl::new(&db.url),
+        ConnectOptions {
+            max_connections: 2,
+            acquire_timeout: Duration::from_secs(2),
+            ..ConnectOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    store.migrate().await.unwrap();
+    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
+    let messages: Vec<NewMessage> = (0..30)
+        .map(|i| NewMessage::from_value(json!({"role": "user", "content": i}), "m").unwrap())
+        .collect();
+    store
+        .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
+        .await
+        .unwrap();
+    for round in 0..2 {
+        let pages = futures_util::future::join_all(
+            (0..32).map(|_| store.history_window(&tenant, &user, page_query(20, None, None))),
+        )
+        .await;
+        for page in pages {
+            let page = page.unwrap_or_else(|e| panic!("round {round}: a read waited in vain: {e}"));
+            assert_eq!(seqs(&page), (11..=30).collect::<Vec<_>>());
+        }
+        let mut transcript = store
+            .transcript_stream(&tenant, &user, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: the transcript found no connection: {e}"));
+        let stats = store.user_stats(&tenant, &user).await.unwrap().unwrap();
+        assert_eq!(stats.message_count, 30);
+        let mut read = 0;
+        while let Some(row) = transcript.messages.recv().await {
+            row.unwrap();
+            read += 1;
+        }
+        assert_eq!(read, 30, "round {round}");
+    }
+    // Connections given back to sqlx's pool arrive there a moment later.
+    let started = Instant::now();
+    while store.pool_status().in_use > 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "connections kept between reads count as in use: {:?}",
+            store.pool_status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(store.pool_status().idle >= 1);
+    tokio::time::timeout(Duration::from_secs(10), store.close())
+        .await
+        .expect("closing waits for the connections reads keep");
 }
 
 /// Messages of about 1 KiB each (`{"role":"user","content":"0007xxx…"}`):

@@ -179,29 +179,42 @@ class Server(Process):
         raise NotStarted(f"not ready within {timeout:.0f} s: {first_line(self.stderr())}")
 
     def rss_kb(self):
+        """(RssAnon, VmRSS) in KiB: the memory the process holds of its own,
+        and that plus the file pages it maps (its binary; on SQLite the
+        database file, which each connection maps: the OS's page cache,
+        shared, counted once per mapping, and dropped under pressure)."""
+        anon = total = 0
         try:
             with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1])
+                    if line.startswith("RssAnon:"):
+                        anon = int(line.split()[1])
+                    elif line.startswith("VmRSS:"):
+                        total = int(line.split()[1])
         except OSError:
             pass
-        return 0
+        return anon, total
 
 
 class RssPeak:
-    """Samples the server's VmRSS every 20 ms in a thread; `growth_mb` is the
-    peak during the `with` block minus the value just before it."""
+    """Samples the server's RSS every 20 ms in a thread. `growth_mb` is the
+    peak of its own memory (RssAnon) during the `with` block minus the value
+    just before it, which is what a caller could exhaust; `text` says that
+    and the growth of VmRSS, which also counts mapped file pages."""
 
     def __init__(self, server):
         self.server = server
-        self.baseline = self.peak = 0
+        self.baseline = self.peak = (0, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
+    def _take(self):
+        anon, total = self.server.rss_kb()
+        self.peak = (max(self.peak[0], anon), max(self.peak[1], total))
+
     def _sample(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.server.rss_kb())
+            self._take()
             time.sleep(0.02)
 
     def __enter__(self):
@@ -212,11 +225,16 @@ class RssPeak:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.server.rss_kb())
+        self._take()
 
     @property
     def growth_mb(self):
-        return (self.peak - self.baseline) / 1024
+        return (self.peak[0] - self.baseline[0]) / 1024
+
+    @property
+    def text(self):
+        total = (self.peak[1] - self.baseline[1]) / 1024
+        return f"peak RSS +{self.growth_mb:.0f} MB (VmRSS +{total:.0f})"
 
 
 def http_request(port, method, path, body=None, headers=None, timeout=60.0):
@@ -605,8 +623,8 @@ def attack_transcript_read_rss(run):
             t.start()
         for t in ts:
             t.join()
-    figure = (f"peak RSS +{rss.growth_mb:.0f} MB; {len(done)}/16 full reads"
-              f" of {done[0] / MIB:.1f} MB" if done else f"peak RSS +{rss.growth_mb:.0f} MB; 0/16 reads")
+    figure = (f"{rss.text}; {len(done)}/16 full reads"
+              f" of {done[0] / MIB:.1f} MB" if done else f"{rss.text}; 0/16 reads")
     figure += f" (setup {setup:.0f} s)"
     if problems:
         figure += f"; {len(problems)} problems, e.g. {problems[0]}"
@@ -632,7 +650,7 @@ def attack_transcript_put_cap(run):
                    or "max_transcript_messages" in detail)
     after, _, after_body = http_request(srv.port, "GET", f"/v1/users/{user}/transcript", timeout=180)
     stored = len(json.loads(after_body)["messages"]) if after == 200 else 0
-    figure = (f"{status} ({len(body) / MIB:.1f} MB body), peak RSS +{rss.growth_mb:.0f} MB, "
+    figure = (f"{status} ({len(body) / MIB:.1f} MB body), {rss.text}, "
               f"stored {stored}")
     if detail:
         figure += f"; detail: {detail[:100]}"
@@ -708,7 +726,7 @@ def attack_number_bodies_rss(run):
                 ok = False
             after = seqs[-1] if seqs else after
         unreadable += not ok
-    figure = (f"peak RSS +{rss.growth_mb:.0f} MB; "
+    figure = (f"{rss.text}; "
               + ", ".join(f"{v}x {k}" for k, v in sorted(counts.items(), key=str))
               + f"; read back {len(stored) - unreadable}/{len(stored)}")
     if bad_503:
@@ -788,7 +806,7 @@ def attack_slow_readers_rss(run):
         else:
             kind = "other: " + head[:40].decode(errors="replace")
         counts[kind] = counts.get(kind, 0) + 1
-    figure = (f"{SLOW_READERS} readers of a {whole / MIB:.0f} MiB page read nothing: peak RSS +{rss.growth_mb:.0f} MB; "
+    figure = (f"{SLOW_READERS} readers of a {whole / MIB:.0f} MiB page read nothing: {rss.text}; "
               + ", ".join(f"{v}x {k}" for k, v in sorted(counts.items()))
               + f"; still open after {timeout + 12} s: {len(open_)}; a small read meanwhile {during}"
               + f", the page after {after_status}")
@@ -833,7 +851,7 @@ def attack_big_heads_rss(run):
         for s in socks:
             s.close()
     figure = (f"{BIG_HEADS} callers each sent {len(head) // 1000} KB of a head and stopped: "
-              f"peak RSS +{rss.growth_mb:.0f} MB; "
+              f"{rss.text}; "
               + ", ".join(f"{v}x {k}" for k, v in sorted(answers.items()))
               + f"; /healthz meanwhile {during}")
     return Result(figure, rss.growth_mb < 100 and during == 200)
