@@ -727,8 +727,11 @@ async fn retention_runs_on_a_pool_of_one_connection(backend: Backend) {
     assert_eq!(report.messages, 1);
 }
 
-async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) {
-    let db = TestDb::new(backend).await;
+/// A store on a pool of two connections, whose user `u` has `n` messages.
+async fn two_connections_and_a_user_of(
+    db: &TestDb,
+    n: usize,
+) -> (Arc<dyn chat_history::store::Store>, Tenant, UserId) {
     let store = chat_history::store::connect(
         &chat_history::store::DatabaseUrl::new(&db.url),
         ConnectOptions {
@@ -741,13 +744,19 @@ async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) 
     .unwrap();
     store.migrate().await.unwrap();
     let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
-    let messages: Vec<NewMessage> = (0..100)
+    let messages: Vec<NewMessage> = (0..n)
         .map(|i| NewMessage::from_value(json!({"role": "user", "content": i}), "m").unwrap())
         .collect();
     store
         .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
         .await
         .unwrap();
+    (store, tenant, user)
+}
+
+async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let (store, tenant, user) = two_connections_and_a_user_of(&db, 100).await;
     let deadline = Duration::from_secs(60);
     // A reader that takes nothing: its stream waits, holding its connection.
     let stalled = store
@@ -797,25 +806,7 @@ async fn slow_transcript_readers_cannot_hold_every_connection(backend: Backend) 
 /// count the kept ones idle, and closing gives them back.
 async fn reads_that_keep_their_connections_leave_every_caller_one(backend: Backend) {
     let db = TestDb::new(backend).await;
-    let store = chat_history::store::connect(
-        &chat_history::store::DatabaseUrl::new(&db.url),
-        ConnectOptions {
-            max_connections: 2,
-            acquire_timeout: Duration::from_secs(2),
-            ..ConnectOptions::default()
-        },
-    )
-    .await
-    .unwrap();
-    store.migrate().await.unwrap();
-    let (tenant, user) = (Tenant::default_tenant(), UserId::parse("u").unwrap());
-    let messages: Vec<NewMessage> = (0..30)
-        .map(|i| NewMessage::from_value(json!({"role": "user", "content": i}), "m").unwrap())
-        .collect();
-    store
-        .append_messages(&tenant, &user, &messages, Timestamp::now(), None, None)
-        .await
-        .unwrap();
+    let (store, tenant, user) = two_connections_and_a_user_of(&db, 30).await;
     for round in 0..2 {
         let pages = futures_util::future::join_all(
             (0..32).map(|_| store.history_window(&tenant, &user, page_query(20, None, None))),
